@@ -1,0 +1,38 @@
+"""The future protocol: ``retrieve_future`` long-polls the results bucket.
+
+A result stays in ``OPENRL_FUTURES`` after it is read (the SDK may poll again on a
+retry); protobuf results (ForwardBackwardOutput, SampleResponse) are answered with
+``Content-Type: application/x-protobuf``, everything else as JSON, failures as
+``{"error", "category"}``.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from functions.gateway.deps import gw, owner, parse
+from openrl import wire
+from openrl.errors import NotFound
+
+router = APIRouter(prefix="/api/v1")
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(request: Request):
+    req = await parse(request, wire.RetrieveFutureRequest)
+    g = gw(request)
+    rec = await g.bus.future_get(req.request_id)
+    if rec is None:
+        raise NotFound("request_id", f"unknown future {req.request_id!r}")
+    if (rec.meta or {}).get("owner") not in (None, owner(request)):
+        raise NotFound("request_id", f"unknown future {req.request_id!r}")
+    if rec.state == "pending":
+        rec = await g.waiter.wait(req.request_id, g.settings.long_poll_s)
+    if rec is None or rec.state == "pending":
+        return {"type": "try_again", "request_id": req.request_id, "queue_state": "active"}
+    if "protobuf" in rec.content_type:
+        return Response(content=rec.body, media_type="application/x-protobuf")
+    return JSONResponse(content=json.loads(rec.body or b"{}"))

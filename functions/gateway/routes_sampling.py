@@ -1,0 +1,84 @@
+"""Sampling routes: sampling sessions and ``asample``.
+
+A sampling session is a record (base model + optional immutable ``tinker://`` snapshot
+path); the sampler is stateless, so every sample event carries both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+
+from functions.gateway.context import require
+from functions.gateway.deps import gw, owner, parse
+from functions.gateway.routes_training import _owned_manifest
+from openrl import wire
+from openrl.bus import now_iso
+from openrl.storage import TinkerPath
+
+router = APIRouter(prefix="/api/v1")
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(request: Request) -> dict:
+    req = await parse(request, wire.CreateSamplingSessionRequest)
+    g = gw(request)
+    who = owner(request)
+    await g.session(req.session_id, who)
+    sid = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
+    if req.model_path:
+        ckpt = TinkerPath.parse(req.model_path, field="model_path")
+        require(ckpt.kind in ("sampler_weights", "weights"), "model_path", "expected a sampler_weights or weights path")
+        manifest = await _owned_manifest(g, ckpt, who)
+        base = manifest.get("base_model")
+        path = str(ckpt)
+    else:
+        require(bool(req.base_model), "base_model", "either base_model or model_path is required")
+        base, path = req.base_model, None
+    g.registry.resolve(base)
+    rec = {"sampler_id": sid, "owner": who, "base_model": base, "model_path": path,
+           "session_id": req.session_id, "created": now_iso()}
+    await g.bus.meta_put(rec, "sampler", sid)
+
+    def add(old):
+        old = dict(old or {})
+        old.setdefault("sampler_ids", []).append(sid)
+        return old
+
+    await g.bus.meta_update(add, "session", req.session_id)
+    return {"sampling_session_id": sid}
+
+
+@router.get("/samplers/{sampler_id}")
+async def get_sampler(sampler_id: str, request: Request) -> dict:
+    rec = await gw(request).sampler(sampler_id, owner(request))
+    out = {"sampler_id": rec["sampler_id"], "base_model": rec["base_model"]}
+    if rec.get("model_path"):
+        out["model_path"] = rec["model_path"]
+    return out
+
+
+@router.post("/asample")
+async def asample(request: Request) -> dict:
+    req = await parse(request, wire.SampleRequest)
+    g = gw(request)
+    s = g.settings
+    sid = req.sampling_session_id
+    require(sid is not None, "sampling_session_id", "required")
+    rec = await g.sampler(sid, owner(request))
+    require(1 <= req.num_samples <= s.max_num_samples, "num_samples", f"must be between 1 and {s.max_num_samples}")
+    mt = req.sampling_params.max_tokens
+    require(mt is None or 1 <= mt <= s.max_tokens_limit, "sampling_params.max_tokens",
+            f"must be between 1 and {s.max_tokens_limit}")
+    tokens = [t for c in req.prompt.chunks for t in (getattr(c, "tokens", None) or [])]
+    require(len(tokens) > 0, "prompt", "the prompt has no tokens")
+    vocab = g.vocab_size(rec["base_model"])
+    bad = [t for t in tokens if t < 0 or t >= vocab]
+    require(not bad, "prompt.chunks", f"token id {bad[:1]} outside the vocabulary [0, {vocab})")
+    rid = f"{sid}:{req.seq_id}"
+    data = req.model_dump(mode="json", exclude_none=True)
+    data.update(prompt_tokens=tokens, base_model=rec["base_model"], model_path=rec.get("model_path"))
+    data.pop("prompt", None)
+    await g.submit("sample", rid, sid, data, future_meta={"owner": rec["owner"]})
+    return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(req.num_samples)]}

@@ -1,0 +1,229 @@
+"""Training routes: each validates at the edge, records a pending future and publishes
+one CloudEvent to the trainer shard that holds the training run.
+
+Request ids are derived from (training run, seq_id), so a retried duplicate gets the
+same future back and is never published twice (invariant 2).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from functions.gateway.context import require
+from functions.gateway.deps import gw, owner, parse
+from openrl import proto, wire
+from openrl.bus import now_iso
+from openrl.errors import UserError
+from openrl.storage import TinkerPath
+
+router = APIRouter(prefix="/api/v1")
+
+
+def model_id_for(session_id: str, model_seq_id: int) -> str:
+    """Training-run id, fixed by the SDK: ``<session_id>:train:<model_seq_id>``."""
+    return f"{session_id}:train:{model_seq_id}"
+
+
+def request_id_for(model_id: str, seq_id: int) -> str:
+    """The future id of a training request (0 is the creation)."""
+    return f"{model_id}:{seq_id}"
+
+
+async def _new_run(request: Request, session_id: str, model_seq_id: int, base_model: str, lora: dict, extra: dict) -> dict:
+    g = gw(request)
+    who = owner(request)
+    await g.session(session_id, who)
+    entry = g.registry.resolve(base_model)
+    model_id = model_id_for(session_id, model_seq_id)
+    rec = {
+        "model_id": model_id,
+        "session_id": session_id,
+        "owner": who,
+        "base_model": base_model,
+        "lora_config": lora,
+        "tokenizer_id": entry.tokenizer_id,
+        "shard": g.shard_of(model_id),
+        "created": now_iso(),
+        "last_request_time": now_iso(),
+        **extra,
+    }
+    if await g.bus.meta_create(rec, "model", model_id):
+
+        def add(old):
+            old = dict(old or {})
+            old.setdefault("training_run_ids", []).append(model_id)
+            return old
+
+        await g.bus.meta_update(add, "session", session_id)
+    else:
+        rec = await g.model(model_id, who)
+    return rec
+
+
+@router.post("/create_model")
+async def create_model(request: Request) -> dict:
+    req = await parse(request, wire.CreateModelRequest)
+    lora = req.lora_config.model_dump() if req.lora_config else {"rank": 32}
+    require(1 <= int(lora.get("rank", 32)) <= 512, "lora_config.rank", "must be between 1 and 512")
+    opt = req.optimizer_config.model_dump() if getattr(req, "optimizer_config", None) else {"type": "adamw"}
+    rec = await _new_run(
+        request, req.session_id, req.model_seq_id, req.base_model, lora,
+        {"optimizer_config": opt, "user_metadata": req.user_metadata or {}},
+    )
+    rid = request_id_for(rec["model_id"], 0)
+    data = {"model_id": rec["model_id"], "base_model": rec["base_model"], "lora_config": lora, "optimizer_config": opt}
+    await gw(request).submit("create_model", rid, rec["model_id"], data, model=rec, future_meta={"owner": rec["owner"]})
+    return {"request_id": rid, "model_id": rec["model_id"]}
+
+
+@router.post("/get_info")
+async def get_info(request: Request) -> dict:
+    req = await parse(request, wire.GetInfoRequest)
+    rec = await gw(request).model(req.model_id, owner(request))
+    lora = rec.get("lora_config") or {}
+    return {
+        "type": "get_info",
+        "model_id": rec["model_id"],
+        "model_data": {"arch": "qwen3", "model_name": rec["base_model"], "tokenizer_id": rec["tokenizer_id"]},
+        "is_lora": True,
+        "lora_rank": lora.get("rank"),
+        "model_name": rec["base_model"],
+        "optimizer_config": rec.get("optimizer_config"),
+    }
+
+
+@router.post("/forward_backward")
+@router.post("/forward")
+async def forward_backward(request: Request) -> dict:
+    """Protobuf ForwardBackwardRequest (zstd when Content-Encoding says so)."""
+    g = gw(request)
+    body = await request.body()
+    require(len(body) <= g.settings.max_body_bytes, "body", f"{len(body)} bytes exceeds the limit")
+    if "protobuf" not in (request.headers.get("content-type") or ""):
+        raise UserError("content-type", "forward_backward expects application/x-protobuf")
+    if (request.headers.get("content-encoding") or "").lower() == "zstd":
+        import zstandard
+
+        try:
+            body = zstandard.ZstdDecompressor().decompressobj().decompress(body)
+        except zstandard.ZstdError as exc:
+            raise UserError("body", f"malformed zstd body: {exc}") from exc
+    fb = proto.decode_forward_backward_request(body)
+    rec = await g.model(fb.model_id, owner(request))
+    require(fb.seq_id >= 1, "seq_id", "must be >= 1")
+    require(len(fb.data) > 0, "data", "at least one datum is required")
+    vocab = g.vocab_size(rec["base_model"])
+    for i, d in enumerate(fb.data):
+        require(len(d.tokens) > 0, f"data[{i}].model_input", "empty model input")
+        bad = [t for t in d.tokens if t < 0 or t >= vocab]
+        require(not bad, f"data[{i}].model_input", f"token id {bad[:1]} outside the vocabulary [0, {vocab})")
+        tt = d.loss_fn_inputs.get("target_tokens")
+        if tt is not None:
+            require(tt.shape[0] == len(d.tokens), f"data[{i}].loss_fn_inputs.target_tokens",
+                    f"length {tt.shape[0]} != model_input length {len(d.tokens)}")
+            require(bool(((tt >= 0) & (tt < vocab)).all()), f"data[{i}].loss_fn_inputs.target_tokens",
+                    f"token id outside the vocabulary [0, {vocab})")
+    op = "forward" if fb.forward_only else "forward_backward"
+    rid = request_id_for(fb.model_id, fb.seq_id)
+    await g.submit(op, rid, fb.model_id, body, model=rec,
+                   future_meta={"owner": rec["owner"]})
+    return {"request_id": rid, "model_id": fb.model_id}
+
+
+async def _simple(request: Request, op: str, req, data: dict) -> dict:
+    g = gw(request)
+    rec = await g.model(req.model_id, owner(request))
+    require(req.seq_id >= 1, "seq_id", "must be >= 1")
+    rid = request_id_for(req.model_id, req.seq_id)
+    data = {"model_id": req.model_id, "seq_id": req.seq_id, **data}
+    await g.submit(op, rid, req.model_id, data, model=rec, future_meta={"owner": rec["owner"]})
+    return {"request_id": rid, "model_id": req.model_id}
+
+
+@router.post("/optim_step")
+async def optim_step(request: Request) -> dict:
+    req = await parse(request, wire.OptimStepRequest)
+    return await _simple(request, "optim_step", req, {"adam_params": req.adam_params.model_dump()})
+
+
+def _checkpoint_path(model_id: str, kind: str, name: str) -> str:
+    return str(TinkerPath.parse(f"tinker://{model_id}/{kind}/{name}", field="path"))
+
+
+@router.post("/save_weights")
+async def save_weights(request: Request) -> dict:
+    req = await parse(request, wire.SaveWeightsRequest)
+    name = req.path or f"state-{req.seq_id}"
+    path = _checkpoint_path(req.model_id, "weights", name)
+    return await _simple(request, "save_weights", req, {"path": path, "ttl_seconds": req.ttl_seconds,
+                                                         "owner": owner(request)})
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(request: Request) -> dict:
+    """Named: a sampler snapshot. Unnamed: a snapshot plus a new sampling session."""
+    req = await parse(request, wire.SaveWeightsForSamplerRequest)
+    g = gw(request)
+    rec = await g.model(req.model_id, owner(request))
+    data = {"ttl_seconds": req.ttl_seconds, "owner": owner(request)}
+    if req.path:
+        data["path"] = _checkpoint_path(req.model_id, "sampler_weights", req.path)
+    else:
+        require(req.sampling_session_seq_id is not None, "sampling_session_seq_id", "required when path is omitted")
+        sid = f"{rec['session_id']}:sample:{req.sampling_session_seq_id}"
+        path = _checkpoint_path(req.model_id, "sampler_weights", f"s{req.seq_id}-{req.sampling_session_seq_id}")
+        data.update(path=path, sampling_session_id=sid)
+        await g.bus.meta_put(
+            {"sampler_id": sid, "owner": rec["owner"], "base_model": rec["base_model"], "model_path": path,
+             "session_id": rec["session_id"], "created": now_iso()},
+            "sampler", sid,
+        )
+    return await _simple(request, "save_weights_for_sampler", req, data)
+
+
+@router.post("/load_weights")
+async def load_weights(request: Request) -> dict:
+    """Create-via-load (session_id + model_seq_id) or the legacy in-place load (model_id + seq_id)."""
+    req = await parse(request, wire.LoadWeightsRequest)
+    g = gw(request)
+    who = owner(request)
+    ckpt = TinkerPath.parse(req.path, field="path")
+    manifest = await _owned_manifest(g, ckpt, who)
+    if req.model_id is None:
+        require(req.session_id is not None and req.model_seq_id is not None, "session_id",
+                "create-via-load needs session_id and model_seq_id")
+        base = req.base_model or manifest.get("base_model")
+        lora = manifest.get("lora_config") or {"rank": manifest.get("lora_rank", 32)}
+        opt = req.optimizer_config.model_dump() if getattr(req, "optimizer_config", None) else (
+            manifest.get("optimizer_config") or {"type": "adamw"})
+        rec = await _new_run(request, req.session_id, req.model_seq_id, base, lora,
+                             {"optimizer_config": opt, "user_metadata": req.user_metadata or {}})
+        rid = request_id_for(rec["model_id"], 0)
+        data = {"model_id": rec["model_id"], "base_model": base, "lora_config": lora, "optimizer_config": opt,
+                "path": str(ckpt), "optimizer": req.optimizer, "create": True, "seq_id": 0}
+        await g.submit("load_weights", rid, rec["model_id"], data, model=rec, future_meta={"owner": who})
+        return {"request_id": rid, "model_id": rec["model_id"]}
+    return await _simple(request, "load_weights", req, {"path": str(ckpt), "optimizer": req.optimizer, "create": False})
+
+
+@router.post("/unload_model")
+async def unload_model(request: Request) -> dict:
+    req = await parse(request, wire.UnloadModelRequest)
+    g = gw(request)
+    rec = await g.model(req.model_id, owner(request))
+    rid = f"{req.model_id}:unload"
+    await g.submit("unload_model", rid, req.model_id, {"model_id": req.model_id, "seq_id": None}, model=rec,
+                   future_meta={"owner": rec["owner"]})
+    return {"request_id": rid, "model_id": req.model_id}
+
+
+async def _owned_manifest(g, ckpt: TinkerPath, who: str) -> dict:
+    """The manifest of a checkpoint the caller may read (own or published), else NotFound."""
+    import asyncio
+
+    from openrl.errors import NotFound
+
+    m = await asyncio.to_thread(g.storage.manifest, ckpt)
+    if m is None or (m.get("owner") != who and not m.get("public")):
+        raise NotFound("path", f"no checkpoint at {ckpt}")
+    return m

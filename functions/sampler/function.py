@@ -1,0 +1,108 @@
+"""The sampler Function: a CloudEvent handler for ``sample`` (and compute_logprobs,
+which the SDK sends as a sample with ``prompt_logprobs``).
+
+Stateless apart from caches: every event names its base model and, optionally, the
+immutable ``tinker://`` snapshot to apply; snapshots are fetched from storage and kept
+in an LRU cache of loaded adapters. Concurrent requests share batched decode passes
+inside :class:`functions.sampler.engine.SamplerEngine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from openrl import events, proto
+from openrl.registry import ModelRegistry
+from openrl.storage import TinkerPath, open_storage
+
+SOURCE = "/openrl/sampler"
+
+
+class SamplerFunction:
+    """Knative Functions "instanced" shape: ``start`` / ``handle`` / ``stop`` / ``alive`` / ``ready``."""
+
+    def __init__(self):
+        self.engines: dict[str, object] = {}
+        self._ready = False
+        self._engine_lock = asyncio.Lock()
+
+    async def start(self, cfg: dict) -> None:
+        """cfg keys (env fallbacks): ``storage`` (OPENRL_STORAGE), ``models_dir``, ``registry``
+        (OPENRL_MODEL_REGISTRY), ``device`` (OPENRL_DEVICE), ``backend`` (OPENRL_SAMPLER_BACKEND:
+        auto | hf | vllm), ``preload`` (base-model names to load now)."""
+        home = Path(os.environ.get("OPENRL_HOME", str(Path.home() / ".openrl")))
+        self.storage = open_storage(cfg.get("storage") or os.environ.get("OPENRL_STORAGE", (home / "storage").as_uri()),
+                                    cache_dir=home / "cache")
+        reg = cfg.get("registry") or os.environ.get("OPENRL_MODEL_REGISTRY")
+        self.registry = cfg.get("registry_obj") or ModelRegistry.load(
+            Path(reg) if reg else None, models_dir=Path(cfg.get("models_dir") or home / "models"))
+        self.device = cfg.get("device") or os.environ.get("OPENRL_DEVICE", "cpu")
+        self.backend = cfg.get("backend") or os.environ.get("OPENRL_SAMPLER_BACKEND", "auto")
+        for name in cfg.get("preload", []):
+            await self._engine(name)
+        self._ready = True
+
+    async def stop(self) -> None:
+        self._ready = False
+        for e in self.engines.values():
+            await e.close()
+
+    def alive(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        return self._ready
+
+    async def _engine(self, base_model: str):
+        from functions.sampler.engine import SamplerEngine
+
+        entry = self.registry.resolve(base_model)
+        key = str(entry.path)
+        async with self._engine_lock:
+            if key not in self.engines:
+                self.engines[key] = await asyncio.to_thread(
+                    SamplerEngine, Path(entry.path), device=self.device, backend=self.backend)
+        return self.engines[key]
+
+    async def handle(self, event):
+        """Sample; the result is a protobuf ``SampleResponse``.
+
+        Raises:
+            UserError: bad sampling parameters or an unknown snapshot (category "user").
+        """
+        from functions.sampler.engine import SampleJob
+
+        d = events.data_json(event)
+        engine = await self._engine(d["base_model"])
+        adapter = None
+        if d.get("model_path"):
+            ckpt = TinkerPath.parse(d["model_path"], field="model_path")
+            local = await asyncio.to_thread(self.storage.get_dir, ckpt)
+            adapter = str(ckpt)
+            await engine.ensure_adapter(adapter, local)
+        sp = d.get("sampling_params") or {}
+        stop = sp.get("stop")
+        if isinstance(stop, str):
+            stop = [stop]
+        tpl = d.get("target_prompt_logprobs")
+        job = SampleJob(
+            prompt=list(d["prompt_tokens"]),
+            num_samples=int(d.get("num_samples", 1)),
+            max_tokens=sp.get("max_tokens"),
+            temperature=float(sp.get("temperature", 1.0)),
+            top_p=float(sp.get("top_p", 1.0)),
+            top_k=int(sp.get("top_k", -1)),
+            seed=sp.get("seed"),
+            stop=stop,
+            prompt_logprobs=bool(d.get("prompt_logprobs")),
+            topk_prompt_logprobs=int(d.get("topk_prompt_logprobs") or 0),
+            topk_sample_logprobs=int(d.get("topk_sample_logprobs") or 0),
+            prompt_logprobs_last_n=d.get("prompt_logprobs_last_n"),
+            adapter=adapter,
+            target_prompt_ids=proto.tensor_json_to_rows(tpl) if tpl else None,
+            prompt_alt_tokens_k=int(d.get("prompt_alt_tokens_k") or 0),
+        )
+        res = await engine.sample(job)
+        return events.result_event(event, proto.encode_sample_result(res), source=SOURCE)

@@ -1,0 +1,114 @@
+"""JetStream binding: a durable pull consumer that feeds request events to a Function.
+
+Each message is one request CloudEvent in binary mode (``ce-*`` headers). It is handled
+in its own task (up to ``concurrency`` at once: the trainer holds later seq_ids back
+while earlier ones run), the result event is written to the futures KV bucket, and only
+then is the message acked, so a worker that dies mid-request has it redelivered.
+While a request runs, the binding sends in-progress acks so a long training step is not
+redelivered to another replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from nats.errors import TimeoutError as NatsTimeout
+
+from openrl import events
+from openrl.bus import Bus, FutureRecord
+
+log = logging.getLogger("openrl.jetstream")
+
+
+async def store_result(bus: Bus, result) -> None:
+    """Write a result event into ``OPENRL_FUTURES`` under the request id (its subject)."""
+    rec = FutureRecord(
+        state="ok" if result.get_extension("outcome") != "error" else "error",
+        content_type=result.get_datacontenttype() or events.JSON,
+        body=events.data_bytes(result),
+    )
+    await bus.future_put(result.get_subject(), rec)
+
+
+class JetStreamWorker:
+    """Runs ``function`` on messages of ``filter_subject`` from ``stream``.
+
+    Args:
+        function: an object with ``async handle(event)`` (the Function contract).
+        bus: a connected :class:`openrl.bus.Bus`.
+        stream / durable / filter_subject: the JetStream consumer to bind.
+        source: CloudEvent ``source`` of result events (e.g. ``/openrl/trainer``).
+        concurrency: maximum requests in flight in this process.
+        in_progress_s: interval of in-progress acks (seconds).
+    """
+
+    def __init__(self, function, bus: Bus, *, stream: str, durable: str, filter_subject: str, source: str,
+                 concurrency: int = 256, in_progress_s: float = 5.0):
+        self.function = function
+        self.bus = bus
+        self.stream, self.durable, self.filter_subject = stream, durable, filter_subject
+        self.source = source
+        self.sem = asyncio.Semaphore(concurrency)
+        self.in_progress_s = in_progress_s
+        self._tasks: set[asyncio.Task] = set()
+        self._stopping = asyncio.Event()
+
+    async def run(self) -> None:
+        """Fetch and dispatch until :meth:`stop`."""
+        sub = await self.bus.work_consumer(self.stream, self.durable, self.filter_subject)
+        while not self._stopping.is_set():
+            await self.sem.acquire()
+            self.sem.release()
+            try:
+                msgs = await sub.fetch(batch=32, timeout=1.0)
+            except (NatsTimeout, asyncio.TimeoutError):
+                continue
+            except Exception as exc:  # noqa: BLE001 - reconnects etc.
+                if self._stopping.is_set():
+                    break
+                log.warning("fetch failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                await self.sem.acquire()
+                t = asyncio.create_task(self._process(msg))
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
+
+    async def _process(self, msg) -> None:
+        ticker = asyncio.create_task(self._keep_alive(msg))
+        try:
+            try:
+                event = events.from_headers_body(dict(msg.headers or {}), msg.data)
+            except Exception as exc:  # noqa: BLE001 - poison message: drop it
+                log.error("dropping a message that is not a CloudEvent: %s", exc)
+                await msg.term()
+                return
+            result = await events.run_handler(self.function.handle, event, source=self.source)
+            if result is not None:
+                await store_result(self.bus, result)
+            await msg.ack()
+        except Exception:  # noqa: BLE001
+            log.exception("request failed in the binding; it will be redelivered")
+            try:
+                await msg.nak(delay=1.0)
+            except Exception:  # noqa: BLE001
+                pass
+        finally:
+            ticker.cancel()
+            self.sem.release()
+
+    async def _keep_alive(self, msg) -> None:
+        while True:
+            await asyncio.sleep(self.in_progress_s)
+            try:
+                await msg.in_progress()
+            except Exception:  # noqa: BLE001
+                return
+
+    async def stop(self, drain_s: float = 30.0) -> None:
+        """Stop fetching and wait up to ``drain_s`` seconds for requests in flight."""
+        self._stopping.set()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=drain_s)

