@@ -98,7 +98,7 @@ class Stack:
     nats_port: int = 0
     build: bool = True
     procs: list[subprocess.Popen] = field(default_factory=list)
-    quiet: bool = False
+    push: bool = False  # functions as HTTP receivers fed by a local dispatcher (the Knative Eventing path)
 
     @property
     def base_url(self) -> str:
@@ -136,19 +136,28 @@ class Stack:
         self.nats_port = self.nats_port or free_port()
         self.procs.append(start_nats(self.state_dir, self.nats_port))
         env = self.env()
-        out = subprocess.DEVNULL if self.quiet else None
         logs = self.state_dir / "logs"
         logs.mkdir(exist_ok=True)
+        routes = []
         for module in ("functions.trainer", "functions.sampler"):
-            log = open(logs / f"{module.split('.')[-1]}.log", "ab")
+            name = module.split(".")[-1]
+            log = open(logs / f"{name}.log", "ab")
+            if self.push:
+                port = free_port()
+                cmd = [sys.executable, "-m", "openrl.bindings.http", module, "--host", "127.0.0.1", "--port", str(port)]
+                routes += ["--route", f"{name}=http://127.0.0.1:{port}"]
+            else:
+                cmd = [sys.executable, "-m", "openrl.worker", module, "--nats", self.nats_url]
+            self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        if self.push:
+            dlog = open(logs / "dispatcher.log", "ab")
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "openrl.worker", module, "--nats", self.nats_url],
-                env=env, stdout=log, stderr=subprocess.STDOUT))
+                [sys.executable, "-m", "openrl.bindings.dispatcher", "--nats", self.nats_url,
+                 "--gateway", self.base_url, *routes], env=env, stdout=dlog, stderr=subprocess.STDOUT))
         glog = open(logs / "gateway.log", "ab")
         self.procs.append(subprocess.Popen(
             [sys.executable, "-m", "functions.gateway", "--host", self.host, "--port", str(self.port)],
             env=env, stdout=glog, stderr=subprocess.STDOUT))
-        del out
         self._wait_healthy()
         return self
 
@@ -190,7 +199,7 @@ def _stack_from_args(args) -> Stack:
     state = Path(getattr(args, "state_dir", None) or os.environ.get("OPENRL_HOME", str(Path.home() / ".openrl")))
     return Stack(state_dir=state.expanduser().resolve(), host=getattr(args, "host", "127.0.0.1"),
                  port=int(getattr(args, "port", 8000)), storage=getattr(args, "storage", None),
-                 build=not getattr(args, "no_build", False))
+                 build=not getattr(args, "no_build", False), push=bool(getattr(args, "push", False)))
 
 
 def main(args) -> int:

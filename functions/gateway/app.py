@@ -72,9 +72,11 @@ def create_app(
     async def _json_error(request: Request, exc: json.JSONDecodeError):
         return error_response(UserError("body", f"malformed JSON: {exc}"))
 
-    from functions.gateway import routes_futures, routes_rest, routes_sampling, routes_session, routes_training
+    from functions.gateway import (
+        routes_events, routes_futures, routes_rest, routes_sampling, routes_session, routes_training,
+    )
 
-    for mod in (routes_session, routes_training, routes_sampling, routes_futures, routes_rest):
+    for mod in (routes_session, routes_training, routes_sampling, routes_futures, routes_rest, routes_events):
         app.include_router(mod.router)
     return app
 

@@ -1,0 +1,46 @@
+"""Where pushed result CloudEvents land (Knative Eventing, or the local dispatcher).
+
+``POST /events/result`` stores a ``dev.openrl.result.v1`` event in the futures bucket
+(the JetStream binding writes there directly instead). ``POST /events/dead-letter``
+receives a request that could not be delivered after all retries and fails its future
+with category "server", so the SDK's poll gets an answer instead of hanging.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from functions.gateway.deps import gw
+from openrl import events
+from openrl.bindings.jetstream import store_result
+
+router = APIRouter(prefix="/events")
+
+
+async def _event(request: Request):
+    return events.from_headers_body(dict(request.headers), await request.body())
+
+
+@router.post("/result")
+async def result(request: Request):
+    try:
+        ev = await _event(request)
+    except Exception as exc:  # noqa: BLE001
+        return JSONResponse({"detail": f"not a CloudEvent: {exc}"}, status_code=400)
+    if ev.get_type() != events.RESULT_TYPE:
+        return JSONResponse({"detail": f"expected type {events.RESULT_TYPE}"}, status_code=400)
+    await store_result(gw(request).bus, ev)
+    return Response(status_code=202)
+
+
+@router.post("/dead-letter")
+async def dead_letter(request: Request):
+    try:
+        ev = await _event(request)
+    except Exception as exc:  # noqa: BLE001
+        return JSONResponse({"detail": f"not a CloudEvent: {exc}"}, status_code=400)
+    failed = events.error_event(ev, f"request {ev.get_id()} could not be delivered to a worker", "server",
+                                source="/openrl/gateway")
+    await store_result(gw(request).bus, failed)
+    return Response(status_code=202)
