@@ -1,0 +1,198 @@
+"""The ``openrl`` console script.
+
+Subcommands::
+
+    openrl models build [--dir DIR] [--seed N] [--force] [--quiet]
+    openrl models list
+    openrl serve [--host H] [--port P] [--storage URL] [--no-build]
+
+``--state-dir DIR`` (default ``$OPENRL_HOME`` or ``~/.openrl``) is accepted before or after
+the subcommand; handlers receive it resolved to an absolute path in ``args.state_dir``.
+
+Adding a subcommand: write a function ``(subparsers, common) -> None`` that calls
+``subparsers.add_parser(name, parents=[common], ...)`` and ``set_defaults(func=handler)``, and
+decorate it with :func:`command`. ``handler(args) -> int | None`` returns the exit status
+(None means 0). Import heavy modules inside the handler so ``openrl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from openrl.errors import OpenRLError
+from openrl.registry import RegistryError, state_dir
+
+Configure = Callable[["argparse._SubParsersAction", argparse.ArgumentParser], None]
+_COMMANDS: list[Configure] = []
+
+
+def command(configure: Configure) -> Configure:
+    """Register a subcommand: ``configure(subparsers, common)`` adds its parser (see module doc)."""
+    _COMMANDS.append(configure)
+    return configure
+
+
+# -- models ---------------------------------------------------------------------------------
+
+
+def _cmd_models_build(args: argparse.Namespace) -> int:
+    from openrl import modelbuild
+
+    out = Path(args.dir).expanduser() if args.dir else args.state_dir / "models" / modelbuild.DEFAULT_MODEL_NAME
+    if not args.force and modelbuild.is_built(out):
+        marker = modelbuild.read_marker(out) or {}
+        print(f"{out}: already built (seed {marker.get('seed')}, {marker.get('param_count')} parameters); --force rebuilds")
+        return 0
+    path = modelbuild.build_model(out, seed=args.seed, force=args.force, progress=not args.quiet)
+    marker = modelbuild.read_marker(path) or {}
+    print(f"{path}: built (seed {marker.get('seed')}, {marker.get('param_count')} parameters, {marker.get('build_seconds')} s)")
+    return 0
+
+
+def _cmd_models_list(args: argparse.Namespace) -> int:
+    from openrl import modelbuild
+    from openrl.registry import ModelRegistry
+
+    reg = ModelRegistry.load(args.registry, models_dir=args.state_dir / "models")
+    if args.json:
+        rows = [
+            {**e.capability(), "path": str(e.path), "tokenizer_id": e.tokenizer_id, "built": modelbuild.is_built(e.path)}
+            for e in reg
+        ]
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"# registry: {reg.source}")
+    for e in reg:
+        state = "built" if modelbuild.is_built(e.path) else ("missing (openrl models build)" if e.build else "missing")
+        flags = ",".join(f for f, on in (("train", e.trainable), ("sample", e.sampleable)) if on) or "-"
+        print(f"{e.name}\t{e.max_context_length}\t{flags}\t{e.path}\t{state}")
+    return 0
+
+
+@command
+def _configure_models(sub, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("models", parents=[common], help="build and list base models")
+    msub = p.add_subparsers(dest="models_command", metavar="{build,list}", required=True)
+
+    b = msub.add_parser(
+        "build",
+        parents=[common],
+        help="build the offline tiny Qwen3 model + Qwen tokenizer",
+        description="Write the ~9.8M-parameter Qwen3-architecture model (random weights from --seed) and "
+        "the Qwen tokenizer in Hugging Face layout. Default directory: <state_dir>/models/tiny-qwen3.",
+    )
+    b.add_argument("--dir", help="output directory (default <state_dir>/models/tiny-qwen3)")
+    b.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    b.add_argument("--force", action="store_true", help="rebuild / replace an existing directory")
+    b.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    b.set_defaults(func=_cmd_models_build)
+
+    ls = msub.add_parser("list", parents=[common], help="list registered base models and whether they are built")
+    ls.add_argument("--registry", help="registry TOML (default $OPENRL_MODEL_REGISTRY or the packaged one)")
+    ls.add_argument("--json", action="store_true", help="JSON output")
+    ls.set_defaults(func=_cmd_models_list)
+
+
+# -- serve ----------------------------------------------------------------------------------
+
+
+def _cmd_serve(args: argparse.Namespace) -> int | None:
+    if not args.storage:
+        args.storage = f"file://{args.state_dir / 'storage'}"
+    args.build = not args.no_build
+    from openrl import embedded  # lazy: pulls in the whole stack
+
+    return embedded.main(args)
+
+
+@command
+def _configure_serve(sub, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "serve",
+        parents=[common],
+        help="run the whole stack in one process (gateway, trainer, sampler, embedded NATS)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    p.add_argument("--storage", default=None, help="weight storage URL (default file://<state_dir>/storage)")
+    p.add_argument("--no-build", action="store_true", help="do not build missing base models at start")
+    p.add_argument("--push", action="store_true", help="functions as HTTP receivers behind a local dispatcher "
+                   "(the Knative Eventing push path) instead of JetStream pull workers")
+    p.set_defaults(func=_cmd_serve)
+
+
+# -- run ------------------------------------------------------------------------------------
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    if args.script_args and args.script_args[0] == "--":
+        args.script_args = args.script_args[1:]
+    from openrl import embedded
+
+    return embedded.run_script(args)
+
+
+@command
+def _configure_run(sub, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "run",
+        parents=[common],
+        help="start the embedded stack, run a Python script against it (TINKER_BASE_URL/TINKER_API_KEY set), stop",
+    )
+    p.add_argument("script", help="Python script, e.g. examples/rl_loop.py")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--storage", default=None, help="weight storage URL (default file://<state_dir>/storage)")
+    p.add_argument("--no-build", action="store_true")
+    p.add_argument("--push", action="store_true", help="functions as HTTP receivers behind a local dispatcher")
+    p.set_defaults(func=_cmd_run)
+
+
+# -- entry point ----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (all registered subcommands)."""
+    # --state-dir is accepted at every level; SUPPRESS keeps a subparser's absent option from
+    # overwriting a value given before the subcommand.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--state-dir",
+        default=argparse.SUPPRESS,
+        help="state directory (default $OPENRL_HOME or ~/.openrl)",
+    )
+    parser = argparse.ArgumentParser(
+        prog="openrl", parents=[common], description="openrl: a self-hosted Tinker API"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for configure in _COMMANDS:
+        configure(sub, common)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``openrl`` command line; returns the exit status (0 ok, 1 error, 2 usage)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.state_dir = state_dir(getattr(args, "state_dir", None))
+    try:
+        rc = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # output piped into head & co.: silence the flush at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (OpenRLError, RegistryError, FileExistsError, NotADirectoryError) as e:
+        print(f"openrl {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    return 0 if rc is None else int(rc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
