@@ -1,0 +1,387 @@
+"""Request bodies the tinker 0.38.0 SDK sends (dumped with ``exclude_none=True``).
+
+Every model ignores unknown fields and never requires ``type``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from ._base import FieldError, WireModel
+from .common import AdamwConfig, Finite, ModelInput, NonNegInt, LoraConfig, OptimizerConfig, PosInt, TensorData
+
+__all__ = [
+    "ClientConfigRequest", "CreateSessionRequest", "SessionHeartbeatRequest", "FinishReason",
+    "SessionFinishRequest", "TelemetryRequest", "RetrieveFutureRequest", "RetrieveFuturesRequest",
+    "CancelFutureRequest", "JoinSamplingSessionRequest", "CreateModelRequest", "GetInfoRequest",
+    "AdamParams", "DimuonParams", "OptimStepRequest", "SaveWeightsRequest",
+    "SaveWeightsForSamplerRequest", "SaveWeightsExternalRequest", "LoadWeightsRequest",
+    "UnloadModelRequest", "CreateSamplingSessionRequest", "SamplingParams", "SampleRequest",
+    "WeightsInfoRequest", "TtlRequest", "CopyWeightsRequest", "SetSessionProjectRequest",
+]
+
+TtlSeconds = Annotated[int, Field(gt=0)]
+
+
+def _check_name(v: str | None) -> str | None:
+    """A checkpoint name becomes the last part of ``tinker://run/kind/<name>``."""
+    if v is None:
+        return v
+    if v in ("", ".", "..") or any(c in v for c in "/\\\x00"):
+        raise ValueError("must be a non-empty name without '/', '\\\\' or NUL, and not '.' or '..'")
+    return v
+
+
+# ---- bootstrap / session -------------------------------------------------------------
+
+
+class ClientConfigRequest(WireModel):
+    """``/client/config`` and ``/client/dynamic_config``: ``{sdk_version}``."""
+
+    sdk_version: str = ""
+
+
+class CreateSessionRequest(WireModel):
+    """``/create_session``."""
+
+    tags: list[str] = []
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str = ""
+    project_id: str | None = None
+    display_name: str | None = None
+
+
+class SessionHeartbeatRequest(WireModel):
+    """``/session_heartbeat``."""
+
+    session_id: str
+
+
+class FinishReason(WireModel):
+    type: Literal["success", "errored", "interrupted"] = "success"
+
+
+class SessionFinishRequest(WireModel):
+    """``/sessions/{id}/finish``: ``{reason: {type}, detail}``."""
+
+    reason: FinishReason = FinishReason()
+    detail: str | None = None
+
+
+class TelemetryRequest(WireModel):
+    """``/telemetry``; events are kept as raw dicts (the server may drop them)."""
+
+    events: list[dict[str, Any]] = []
+    platform: str | None = None
+    sdk_version: str | None = None
+    session_id: str | None = None
+    process_uuid: str | None = None
+
+
+class RetrieveFutureRequest(WireModel):
+    """``/retrieve_future``."""
+
+    request_id: str
+    allow_metadata_only: bool = False
+
+
+class RetrieveFuturesRequest(WireModel):
+    """``/retrieve_futures`` (only with ``sample_use_retrieve_futures``)."""
+
+    target: dict[str, Any] = {}
+    prev_cursor: int = 0
+    timeout: float | None = None
+    retrieved_request_ids: list[str] = []
+
+
+class CancelFutureRequest(WireModel):
+    """``/cancel_future`` (only with dynamic ``sample_cancel_enabled``)."""
+
+    request_id: str
+
+
+class JoinSamplingSessionRequest(WireModel):
+    """``/join_sampling_session`` (only with ``sample_join_sampling_session``)."""
+
+    sampling_session_id: str
+
+
+# ---- training ------------------------------------------------------------------------
+
+
+class CreateModelRequest(WireModel):
+    """``/create_model``; the run id is ``f"{session_id}:train:{model_seq_id}"``."""
+
+    session_id: str
+    model_seq_id: NonNegInt
+    base_model: str
+    user_metadata: dict[str, Any] | None = None
+    lora_config: LoraConfig | None = None
+    optimizer_config: OptimizerConfig = AdamwConfig()
+
+
+class GetInfoRequest(WireModel):
+    """``/get_info`` (synchronous)."""
+
+    model_id: str
+
+
+class AdamParams(WireModel):
+    """Per-step AdamW hyperparameters (``adam_params``)."""
+
+    learning_rate: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1e-4
+    beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    beta2: Annotated[float, Field(ge=0, lt=1)] = 0.95
+    eps: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1e-12
+    weight_decay: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    grad_clip_norm: Finite = 0.0
+    """Clip the global gradient norm to this; ≤ 0 disables clipping."""
+
+
+class DimuonParams(WireModel):
+    """Per-step Dimuon hyperparameters (``optimizer_params`` with ``type: "dimuon"``)."""
+
+    type: Literal["dimuon"] = "dimuon"
+    learning_rate: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    grad_clip_norm: Finite = 0.0
+    beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
+
+
+class OptimStepRequest(WireModel):
+    """``/optim_step``: ``adam_params`` for AdamW runs, ``optimizer_params`` otherwise
+    (an ``optim_params`` key is routed to one of them by its ``type``)."""
+
+    model_id: str
+    seq_id: int | None = None
+    adam_params: AdamParams | None = None
+    optimizer_params: DimuonParams | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _route_optim_params(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "optim_params" in data and not (
+            "adam_params" in data or "optimizer_params" in data
+        ):
+            data = dict(data)
+            p = data.pop("optim_params")
+            typ = p.get("type") if isinstance(p, dict) else None
+            data["optimizer_params" if typ not in (None, "adam", "adamw") else "adam_params"] = p
+        return data
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "OptimStepRequest":
+        if self.adam_params is None and self.optimizer_params is None:
+            raise FieldError("adam_params", "required (or optimizer_params)")
+        if self.adam_params is not None and self.optimizer_params is not None:
+            raise FieldError("optimizer_params", "give either adam_params or optimizer_params, not both")
+        return self
+
+    @property
+    def params(self) -> AdamParams | DimuonParams:
+        """Whichever of ``adam_params`` / ``optimizer_params`` was sent."""
+        return self.adam_params if self.adam_params is not None else self.optimizer_params  # type: ignore[return-value]
+
+
+class SaveWeightsRequest(WireModel):
+    """``/save_weights`` (``save_state``): ``path`` is a bare checkpoint name."""
+
+    model_id: str
+    path: str | None = None
+    seq_id: int | None = None
+    ttl_seconds: TtlSeconds | None = None
+    overwrite: bool = False
+    user_metadata: dict[str, str] | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        return _check_name(v)
+
+
+class SaveWeightsForSamplerRequest(WireModel):
+    """``/save_weights_for_sampler``: named (``path``) or unnamed
+    (``sampling_session_seq_id``: save and create a sampling session)."""
+
+    model_id: str
+    path: str | None = None
+    sampling_session_seq_id: NonNegInt | None = None
+    kind: Literal["snapshot", "inflight"] = "snapshot"
+    seq_id: int | None = None
+    ttl_seconds: TtlSeconds | None = None
+    user_metadata: dict[str, str] | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        return _check_name(v)
+
+    @model_validator(mode="after")
+    def _target(self) -> "SaveWeightsForSamplerRequest":
+        if self.path is None and self.sampling_session_seq_id is None:
+            raise FieldError("path", "either path or sampling_session_seq_id is required")
+        return self
+
+
+class SaveWeightsExternalRequest(WireModel):
+    """``/save_weights_external``."""
+
+    model_id: str
+    path: str
+    seq_id: int | None = None
+    ttl_seconds: TtlSeconds | None = None
+    age_encryption_recipients: list[str] | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        return _check_name(v)
+
+
+class LoadWeightsRequest(WireModel):
+    """``/load_weights``. Create-via-load: ``session_id`` + ``model_seq_id`` (the new run
+    is ``f"{session_id}:train:{model_seq_id}"``). In place (legacy): ``model_id`` + ``seq_id``."""
+
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: NonNegInt | None = None
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    path: str
+    optimizer: bool = False
+    optimizer_config: OptimizerConfig | None = None
+    weights_access_token: str | None = None
+
+    @model_validator(mode="after")
+    def _addressing(self) -> "LoadWeightsRequest":
+        if self.session_id is not None:
+            if self.model_id is not None:
+                raise FieldError("model_id", "give either model_id or session_id, not both")
+            if self.model_seq_id is None:
+                raise FieldError("model_seq_id", "required with session_id")
+        elif self.model_id is None:
+            raise FieldError("model_id", "required (or session_id + model_seq_id)")
+        return self
+
+    @property
+    def is_create(self) -> bool:
+        """True for the create-via-load form."""
+        return self.session_id is not None
+
+
+class UnloadModelRequest(WireModel):
+    """``/unload_model`` (unused by 0.38.0)."""
+
+    model_id: str
+
+
+# ---- sampling ------------------------------------------------------------------------
+
+
+class CreateSamplingSessionRequest(WireModel):
+    """``/create_sampling_session``; id ``f"{session_id}:sample:{sampling_session_seq_id}"``."""
+
+    session_id: str
+    sampling_session_seq_id: NonNegInt
+    base_model: str | None = None
+    model_path: str | None = None
+
+    @model_validator(mode="after")
+    def _source(self) -> "CreateSamplingSessionRequest":
+        if self.base_model is None and self.model_path is None:
+            raise FieldError("base_model", "either base_model or model_path is required")
+        return self
+
+
+class SamplingParams(WireModel):
+    """``sampling_params``. ``stop``: ``None`` keeps EOS stopping; ``[]`` disables every
+    stop token, EOS included; otherwise strings or token ids to stop at."""
+
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = -1
+    """-1 (or 0) = no limit."""
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    max_tokens: NonNegInt | None = None
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """Stop strings (``stop`` as a str or list of str)."""
+        if isinstance(self.stop, str):
+            return [self.stop]
+        return [s for s in self.stop or [] if isinstance(s, str)]
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Stop token ids (``stop`` as a list of int)."""
+        return [s for s in self.stop or [] if isinstance(s, int)] if not isinstance(self.stop, str) else []
+
+
+class SampleRequest(WireModel):
+    """``/asample``; the SDK always addresses a sampling session (``sampling_session_id``,
+    ``seq_id``)."""
+
+    num_samples: PosInt = 1
+    prompt: ModelInput
+    sampling_params: SamplingParams = SamplingParams()
+    base_model: str | None = None
+    model_path: str | None = None
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: NonNegInt = 0
+    topk_sample_logprobs: NonNegInt = 0
+    target_prompt_logprobs: TensorData | None = None
+    """int64 ``[len(prompt) - 1, K]`` token ids, -1 = unused cell (CSR pad -1)."""
+    prompt_alt_tokens_k: NonNegInt = 0
+    prompt_logprobs_last_n: PosInt | None = None
+    record_stability_info: bool = False
+
+    @field_validator("prompt_logprobs", "record_stability_info", mode="before")
+    @classmethod
+    def _none_false(cls, v: Any) -> Any:
+        return False if v is None else v
+
+    @model_validator(mode="after")
+    def _check(self) -> "SampleRequest":
+        if self.prompt_logprobs_last_n is not None and not self.prompt_logprobs:
+            raise FieldError("prompt_logprobs_last_n", "requires prompt_logprobs")
+        t = self.target_prompt_logprobs
+        if t is not None:
+            if t.dtype != "int64":
+                raise FieldError("target_prompt_logprobs.dtype", "must be int64 token ids")
+            if t.shape is None or len(t.shape) != 2:
+                raise FieldError("target_prompt_logprobs.shape", "must be 2-D [len(prompt) - 1, K]")
+        return self
+
+
+# ---- REST ----------------------------------------------------------------------------
+
+
+class WeightsInfoRequest(WireModel):
+    """``/weights_info``."""
+
+    tinker_path: str
+
+
+class TtlRequest(WireModel):
+    """PUT ``…/checkpoints/{id}/ttl``: ``{ttl_seconds}`` (null = never expires)."""
+
+    ttl_seconds: TtlSeconds | None = None
+
+
+class CopyWeightsRequest(WireModel):
+    """``/copy_weights``."""
+
+    source_path: str
+    destination_project_id: str | None = None
+    ttl_seconds: TtlSeconds | None = None
+
+
+class SetSessionProjectRequest(WireModel):
+    """PUT ``/sessions/{id}/project``."""
+
+    project_id: str
