@@ -13,7 +13,10 @@ import asyncio
 import os
 from pathlib import Path
 
+import numpy as np
+
 from openrl import events, proto
+from openrl.errors import UserError
 from openrl.registry import ModelRegistry
 from openrl.storage import TinkerPath, open_storage
 
@@ -101,8 +104,51 @@ class SamplerFunction:
             topk_sample_logprobs=int(d.get("topk_sample_logprobs") or 0),
             prompt_logprobs_last_n=d.get("prompt_logprobs_last_n"),
             adapter=adapter,
-            target_prompt_ids=proto.tensor_json_to_rows(tpl) if tpl else None,
+            target_prompt_ids=target_rows(tpl) if tpl else None,
             prompt_alt_tokens_k=int(d.get("prompt_alt_tokens_k") or 0),
         )
         res = await engine.sample(job)
-        return events.result_event(event, proto.encode_sample_result(res), source=SOURCE)
+        return events.result_event(event, encode_result(res, tpl), source=SOURCE)
+
+
+def target_rows(td: dict) -> list[list[int]]:
+    """A JSON TensorData of int64 target ids ``[P-1, K]`` (dense or CSR, -1 = unused) as rows.
+
+    Raises:
+        UserError: the tensor is not 2-D or its CSR indices do not fit its shape.
+    """
+    shape = td.get("shape") or []
+    if len(shape) != 2:
+        raise UserError("target_prompt_logprobs", f"expected shape [len(prompt)-1, K], got {shape}")
+    rows, k = int(shape[0]), int(shape[1])
+    data = [int(x) for x in td.get("data") or []]
+    if td.get("sparse_crow_indices") is not None:
+        crow, col = td["sparse_crow_indices"], td.get("sparse_col_indices") or []
+        if len(crow) != rows + 1 or len(col) != len(data) or (col and max(col) >= k):
+            raise UserError("target_prompt_logprobs", "CSR indices do not match the shape")
+        dense = [[-1] * k for _ in range(rows)]
+        for r in range(rows):
+            for j in range(crow[r], crow[r + 1]):
+                dense[r][col[j]] = data[j]
+        return dense
+    if len(data) != rows * k:
+        raise UserError("target_prompt_logprobs", f"{len(data)} values for shape {shape}")
+    return [data[r * k:(r + 1) * k] for r in range(rows)]
+
+
+def encode_result(res, tpl: dict | None) -> bytes:
+    """A :class:`SampleResult` as the protobuf ``SampleResponse`` the SDK decodes."""
+    seqs = [proto.SampledSeq(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason, topk=s.topk)
+            for s in res.sequences]
+    csr = None
+    if tpl and tpl.get("sparse_crow_indices") is not None:
+        csr = (tpl["sparse_crow_indices"], tpl["sparse_col_indices"])
+    return proto.encode_sample_response(
+        seqs,
+        prompt_logprobs=res.prompt_logprobs,
+        topk_prompt_logprobs=res.topk_prompt,
+        target_prompt_logprobs=(np.asarray(res.target_prompt_logprobs, dtype=np.float32)
+                                if res.target_prompt_logprobs is not None else None),
+        target_prompt_logprobs_csr=csr,
+        prompt_alt_tokens=res.prompt_alt_tokens,
+    )

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Install everything the tests need, then run them. The tests start their own
+# nats-server, GCS emulator, gateway and workers on 127.0.0.1.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+. .venv/bin/activate
+if [ -f scripts/ci-deploy-tools.sh ]; then bash scripts/ci-deploy-tools.sh; fi
+export TINKER_TELEMETRY=0 HF_HUB_OFFLINE=1
+python -m pytest -ra "$@"

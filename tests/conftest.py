@@ -1,0 +1,63 @@
+"""Shared fixtures: a real embedded stack (nats-server + gateway + trainer + sampler
+processes on 127.0.0.1) and real ``tinker`` SDK clients pointed at it.
+
+Nothing here is mocked: the SDK speaks HTTP to the gateway, the gateway publishes
+CloudEvents on a real JetStream, the workers answer through the KV bucket.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+BASE_MODEL = "Qwen/Qwen3-4B-Instruct-2507"
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    """One build of the offline model for the whole test session (shared by stacks)."""
+    from openrl.registry import ModelRegistry, ensure_built
+
+    d = Path(os.environ.get("OPENRL_TEST_MODELS", tmp_path_factory.mktemp("models")))
+    ensure_built(ModelRegistry.load(None, models_dir=d))
+    return d
+
+
+def _make_stack(tmp_path_factory, models_dir: Path, **kw):
+    from openrl.embedded import Stack, free_port
+
+    state = tmp_path_factory.mktemp("state")
+    (state / "models").symlink_to(models_dir, target_is_directory=True)
+    return Stack(state_dir=state, port=free_port(), **kw)
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, models_dir):
+    """The embedded stack with JetStream workers (the local pull path)."""
+    s = _make_stack(tmp_path_factory, models_dir).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def api_key() -> str:
+    return "tml-test-key-one"
+
+
+@pytest.fixture(scope="session")
+def service(stack, api_key):
+    import tinker
+
+    client = tinker.ServiceClient(base_url=stack.base_url, api_key=api_key)
+    yield client
+
+
+@pytest.fixture(scope="session")
+def tokenizer(service):
+    tc = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=0)
+    return tc.get_tokenizer()
