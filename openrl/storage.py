@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from openrl.errors import NotFound, UserError
+from openrl.errors import NotFound, ServerError, UserError
 
 KINDS = ("weights", "sampler_weights", "external_weights")
 CHECKPOINT_TYPE = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
@@ -37,6 +37,10 @@ class CheckpointExists(UserError):
     """A checkpoint already exists at that tinker:// path (saved weights are immutable)."""
 
     status = 409
+
+
+class ChecksumMismatch(ServerError):
+    """Stored bytes do not match the manifest's size / sha256 (corruption in the store or in transit)."""
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,16 @@ class Storage:
         """Manifests of all checkpoints of a training run."""
         raise NotImplementedError
 
+    def list_runs(self) -> list[str]:
+        """Training-run ids that have anything stored."""
+        raise NotImplementedError
+
     def delete(self, path: TinkerPath) -> None:
+        """Delete the checkpoint and all its files.
+
+        Raises:
+            NotFound: nothing stored at ``path``.
+        """
         raise NotImplementedError
 
 
@@ -228,6 +241,32 @@ class FileStorage(Storage):
         if not d.exists():
             raise NotFound("checkpoint_id", f"no checkpoint at {path}")
         shutil.rmtree(d)
+
+
+def sweep_expired(storage: Storage, now: float | None = None) -> list[str]:
+    """Delete every checkpoint whose manifest ``expires_unix`` is at or before ``now``.
+
+    Works on any backend (it uses ``list_runs`` / ``list_run`` / ``delete``). A checkpoint
+    deleted concurrently by someone else is skipped. Returns the deleted tinker:// paths.
+    """
+    now = time.time() if now is None else now
+    deleted = []
+    for run_id in storage.list_runs():
+        try:
+            manifests = storage.list_run(run_id)
+        except UserError:  # a directory / prefix that is not a valid run id
+            continue
+        for m in manifests:
+            expires = m.get("expires_unix")
+            if expires is None or expires > now:
+                continue
+            path = TinkerPath.parse(m["tinker_path"])
+            try:
+                storage.delete(path)
+            except NotFound:
+                continue
+            deleted.append(str(path))
+    return deleted
 
 
 def open_storage(url: str, *, cache_dir: Path | None = None) -> Storage:

@@ -1,0 +1,20 @@
+"""The ``gcs_emulator`` fixture: one fake-gcs-server for the test session.
+
+Import it from ``tests/conftest.py`` (``from fixtures_gcs import gcs_emulator  # noqa: F401``)
+to make it available to every test module. It yields the emulator URL and does not
+touch the environment; tests set ``STORAGE_EMULATOR_HOST`` themselves (with
+``monkeypatch.setenv``) so that ``google.cloud.storage.Client`` talks to it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gcs_emulator import gcs_emulator as _run_gcs_emulator
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """URL (``http://127.0.0.1:<port>``) of a fake-gcs-server that lives for the session."""
+    with _run_gcs_emulator() as url:
+        yield url
