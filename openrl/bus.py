@@ -141,7 +141,7 @@ class Bus:
 
     async def close(self) -> None:
         if self.nc is not None and not self.nc.is_closed:
-            await self.nc.drain()
+            await self.nc.close()
 
     # ----- publishing -------------------------------------------------------------
     async def publish(self, subject: str, headers: dict[str, str], body: bytes, msg_id: str) -> None:

@@ -36,6 +36,7 @@ TRAIN_OPS = (
     "save_weights_for_sampler",
     "load_weights",
     "unload_model",
+    "skip",  # a seq_id the gateway rejected at the edge: the trainer moves past it
 )
 SAMPLE_OPS = ("sample",)
 RESULT_TYPE = "dev.openrl.result.v1"

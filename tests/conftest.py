@@ -61,3 +61,6 @@ def service(stack, api_key):
 def tokenizer(service):
     tc = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=0)
     return tc.get_tokenizer()
+
+
+from fixtures_gcs import gcs_emulator  # noqa: E402,F401  (session fixture: a GCS emulator on 127.0.0.1)

@@ -111,8 +111,25 @@ async def forward_backward(request: Request) -> dict:
     fb = proto.decode_forward_backward_request(body)
     rec = await g.model(fb.model_id, owner(request))
     require(fb.seq_id >= 1, "seq_id", "must be >= 1")
+    try:
+        _validate_datums(fb, g.vocab_size(rec["base_model"]))
+    except UserError:
+        await _skip(g, rec, fb.seq_id)
+        raise
+    op = "forward" if fb.forward_only else "forward_backward"
+    rid = request_id_for(fb.model_id, fb.seq_id)
+    await g.submit(op, rid, fb.model_id, body, model=rec,
+                   future_meta={"owner": rec["owner"]})
+    return {"request_id": rid, "model_id": fb.model_id}
+
+
+def _validate_datums(fb, vocab: int) -> None:
+    """Edge checks of a forward_backward body: non-empty, token ids in the vocabulary, lengths.
+
+    Raises:
+        UserError: naming the datum and field.
+    """
     require(len(fb.data) > 0, "data", "at least one datum is required")
-    vocab = g.vocab_size(rec["base_model"])
     for i, d in enumerate(fb.data):
         require(len(d.tokens) > 0, f"data[{i}].model_input", "empty model input")
         bad = [t for t in d.tokens if t < 0 or t >= vocab]
@@ -123,11 +140,40 @@ async def forward_backward(request: Request) -> dict:
                     f"length {tt.shape[0]} != model_input length {len(d.tokens)}")
             require(bool(((tt >= 0) & (tt < vocab)).all()), f"data[{i}].loss_fn_inputs.target_tokens",
                     f"token id outside the vocabulary [0, {vocab})")
-    op = "forward" if fb.forward_only else "forward_backward"
-    rid = request_id_for(fb.model_id, fb.seq_id)
-    await g.submit(op, rid, fb.model_id, body, model=rec,
-                   future_meta={"owner": rec["owner"]})
-    return {"request_id": rid, "model_id": fb.model_id}
+
+
+async def _skip(g, rec: dict, seq_id: int) -> None:
+    """Tell the trainer that ``seq_id`` of a run was rejected at the edge and will never come.
+
+    The SDK numbers every call, and a call answered with a 4xx is never resent, so
+    without this the run's later requests would wait for the missing seq_id until the
+    gap timeout.
+    """
+    rid = f"{request_id_for(rec['model_id'], seq_id)}:skip"
+    await g.submit("skip", rid, rec["model_id"], {"model_id": rec["model_id"], "seq_id": seq_id}, model=rec)
+
+
+async def _model_from_raw(request: Request):
+    """(run record, seq_id) from a JSON body that failed validation, when both are usable."""
+    import json
+
+    try:
+        raw = json.loads(await request.body())
+        rec = await gw(request).model(str(raw["model_id"]), owner(request))
+        return rec, int(raw["seq_id"])
+    except Exception:  # noqa: BLE001 - best effort only
+        return None, None
+
+
+async def _parse_training(request: Request, model):
+    """Parse a JSON training request; on a field error, skip its seq_id (see :func:`_skip`)."""
+    try:
+        return await parse(request, model)
+    except UserError:
+        rec, seq_id = await _model_from_raw(request)
+        if rec is not None and seq_id is not None and seq_id >= 1:
+            await _skip(gw(request), rec, seq_id)
+        raise
 
 
 async def _simple(request: Request, op: str, req, data: dict) -> dict:
@@ -142,7 +188,7 @@ async def _simple(request: Request, op: str, req, data: dict) -> dict:
 
 @router.post("/optim_step")
 async def optim_step(request: Request) -> dict:
-    req = await parse(request, wire.OptimStepRequest)
+    req = await _parse_training(request, wire.OptimStepRequest)
     return await _simple(request, "optim_step", req, {"adam_params": req.adam_params.model_dump()})
 
 
@@ -152,7 +198,7 @@ def _checkpoint_path(model_id: str, kind: str, name: str) -> str:
 
 @router.post("/save_weights")
 async def save_weights(request: Request) -> dict:
-    req = await parse(request, wire.SaveWeightsRequest)
+    req = await _parse_training(request, wire.SaveWeightsRequest)
     name = req.path or f"state-{req.seq_id}"
     path = _checkpoint_path(req.model_id, "weights", name)
     return await _simple(request, "save_weights", req, {"path": path, "ttl_seconds": req.ttl_seconds,
@@ -162,7 +208,7 @@ async def save_weights(request: Request) -> dict:
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(request: Request) -> dict:
     """Named: a sampler snapshot. Unnamed: a snapshot plus a new sampling session."""
-    req = await parse(request, wire.SaveWeightsForSamplerRequest)
+    req = await _parse_training(request, wire.SaveWeightsForSamplerRequest)
     g = gw(request)
     rec = await g.model(req.model_id, owner(request))
     data = {"ttl_seconds": req.ttl_seconds, "owner": owner(request)}

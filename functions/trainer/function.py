@@ -104,6 +104,8 @@ class TrainerFunction:
         else:
             seq_id = int(data["seq_id"])
             result = await self.scheduler.submit(model_id, seq_id, op, data)
+        if op == "skip":
+            return None  # the gateway already answered that call with a 4xx
         return events.result_event(event, result, source=SOURCE)
 
     async def _create(self, model_id: str, data: dict) -> dict:
@@ -165,6 +167,8 @@ class TrainerFunction:
         return out
 
     async def _run_single(self, p: Pending):
+        if p.op == "skip":
+            return None
         engine = self._engine(p.model_id)
         d = p.payload
         if p.op == "optim_step":
