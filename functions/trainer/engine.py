@@ -1,0 +1,495 @@
+"""The trainer engine: one frozen base model, many training runs, co-batched passes.
+
+One :class:`TrainerEngine` holds one base model (loaded with
+``AutoModelForCausalLM.from_pretrained``) wrapped in a :class:`~openrl.lora.MultiLoRAModel`,
+and per training run (``model_id``) a LoRA adapter plus its AdamW state.
+
+Co-batching: :meth:`TrainerEngine.forward_backward` takes forward / forward_backward
+requests ("items") of *several* runs and executes them as one packed pass: the rows (datums)
+of all items are padded into shared batches (split into micro-batches of at most
+``max_rows`` rows and ``max_tokens`` padded tokens), the base matmuls are shared, and each
+row's LoRA delta uses its own run's adapter. One backward per micro-batch sends every run's
+gradient into its own adapter only (rows never interact), where it accumulates until that
+run's :meth:`optim_step`. Rows of ``forward_only`` items contribute no gradient (their
+adapter is used detached when no other item of the same run needs a gradient).
+
+Ordering is the caller's job: pass items that may run together (for one run: requests in
+``seq_id`` order, never across an ``optim_step`` or a weight load of that run).
+
+Not thread-safe: call it from one thread (or serialise calls).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from functions.trainer import losses
+from functions.trainer.optim import AdamConfig, RunOptimizer
+from openrl.errors import NotFound, ServerError, UserError
+from openrl.lora import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    LoraSpec,
+    MultiLoRAModel,
+    read_peft_adapter,
+    save_peft_adapter,
+)
+from openrl.numerics import DEFAULT_CHUNK_TOKENS, pad_batch, target_logprobs
+
+OPTIMIZER_NAME = "optimizer.pt"
+RUN_NAME = "run.json"
+_RUN_FORMAT = "openrl.run.v1"
+
+
+@dataclass
+class Datum:
+    """One training example.
+
+    Attributes:
+        tokens: the model input (the datum's encoded_text chunks, concatenated), T ids.
+        loss_fn_inputs: dense arrays: ``target_tokens`` int64 [T] (or [T, K] for
+            cross_entropy), ``weights`` / ``advantages`` / ``logprobs`` float32 [T], ...
+    """
+
+    tokens: list[int]
+    loss_fn_inputs: dict[str, np.ndarray]
+
+
+@dataclass
+class FwdBwdItem:
+    """One forward or forward_backward request of one run."""
+
+    model_id: str
+    datums: list[Datum]
+    loss_fn: str
+    loss_fn_config: dict[str, float | str] | None = None
+    forward_only: bool = False
+
+
+@dataclass
+class FwdBwdResult:
+    """Result of one item.
+
+    Attributes:
+        loss_fn_outputs: per datum ``{"logprobs": float32 array shaped like target_tokens}``.
+        metrics: ``{"loss:sum": float}``, the loss summed over the item's datums and tokens.
+        error: a :class:`UserError` / :class:`NotFound` if the item was invalid (nothing ran
+            for it), a :class:`ServerError` if the pass failed (no gradient was kept).
+    """
+
+    loss_fn_outputs: list[dict[str, np.ndarray]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: Exception | None = None
+
+
+@dataclass
+class _Run:
+    spec: LoraSpec
+    optimizer: RunOptimizer
+
+
+@dataclass
+class _Row:
+    item: int
+    datum: int
+    tokens: torch.Tensor  # int64 [T]
+    inputs: dict[str, torch.Tensor]
+    grad: bool
+
+    @property
+    def n(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def k(self) -> int:
+        tt = self.inputs["target_tokens"]
+        return 1 if tt.dim() == 1 else int(tt.shape[1])
+
+
+class TrainerEngine:
+    """Training runs on one base model.
+
+    Args:
+        base_model_dir: a Hugging Face model directory (config + safetensors).
+        device: torch device for the model and adapters.
+        dtype: dtype of the base weights (adapters and optimizer state are float32).
+        max_rows: most datums (rows) per micro-batch.
+        max_tokens: most padded tokens (rows x longest row) per micro-batch; a single longer
+            row still runs, alone.
+        chunk_tokens: tokens per vocabulary-projection chunk (see ``openrl.numerics``).
+    """
+
+    def __init__(
+        self,
+        base_model_dir: Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_rows: int = 64,
+        max_tokens: int = 32768,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ):
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(str(base_model_dir), dtype=dtype)
+        self._setup(base, Path(base_model_dir), device, max_rows, max_tokens, chunk_tokens)
+
+    @classmethod
+    def from_base_model(
+        cls,
+        base: torch.nn.Module,
+        device: str | torch.device = "cpu",
+        max_rows: int = 64,
+        max_tokens: int = 32768,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        name: str = "",
+    ) -> "TrainerEngine":
+        """An engine around an already-built causal LM (benchmarks, tests); ``name`` is
+        recorded as the base model directory in saved ``run.json`` files."""
+        self = cls.__new__(cls)
+        self._setup(base, Path(name), device, max_rows, max_tokens, chunk_tokens)
+        return self
+
+    def _setup(self, base, base_model_dir: Path, device, max_rows: int, max_tokens: int, chunk_tokens: int) -> None:
+        self.base_model_dir = base_model_dir
+        base.to(device).eval()
+        self.model = MultiLoRAModel(base)
+        self.device = torch.device(device)
+        self.max_rows = int(max_rows)
+        self.max_tokens = int(max_tokens)
+        self.chunk_tokens = int(chunk_tokens)
+        cfg = base.config
+        self.vocab_size = int(self.model.lm_head.out_features)
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
+        pad = getattr(cfg, "pad_token_id", None)
+        self.pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
+        self.runs: dict[str, _Run] = {}
+
+    # -------------------------------------------------------------------- runs
+
+    def create_run(self, model_id: str, spec: LoraSpec) -> None:
+        """Create run ``model_id`` with a fresh adapter (seeded init, B = 0) and AdamW.
+
+        Raises:
+            UserError: invalid spec (``lora_config.*``).
+            ValueError: the run exists.
+        """
+        if model_id in self.runs:
+            raise ValueError(f"run {model_id!r} already exists")
+        self.model.add_adapter(model_id, spec)
+        self.runs[model_id] = _Run(self.model.adapter_spec(model_id), self._new_optimizer(model_id))
+
+    def has_run(self, model_id: str) -> bool:
+        return model_id in self.runs
+
+    def run_spec(self, model_id: str) -> LoraSpec:
+        """The run's spec with alpha and seed resolved."""
+        return self._run(model_id).spec
+
+    def delete_run(self, model_id: str) -> None:
+        """Drop the run's adapter, gradients and optimizer state (no-op if absent)."""
+        if self.runs.pop(model_id, None) is not None:
+            self.model.remove_adapter(model_id)
+
+    def _run(self, model_id: str) -> _Run:
+        run = self.runs.get(model_id)
+        if run is None:
+            raise NotFound("model_id", f"no training run {model_id!r} on this trainer")
+        return run
+
+    def _new_optimizer(self, model_id: str) -> RunOptimizer:
+        return RunOptimizer(self.model.named_adapter_parameters(model_id))
+
+    # ------------------------------------------------------------ validation
+
+    def _prepare(self, idx: int, item: FwdBwdItem) -> tuple[list[_Row], dict[str, float]]:
+        self._run(item.model_id)
+        config = losses.resolve_config(item.loss_fn, item.loss_fn_config)
+        rows = []
+        for j, d in enumerate(item.datums):
+            toks = np.asarray(d.tokens)
+            fld = f"data[{j}].model_input"
+            if toks.ndim != 1 or toks.size == 0:
+                raise UserError(fld, "must hold at least one token")
+            if toks.dtype.kind not in "iu":
+                raise UserError(fld, "tokens must be integers")
+            if toks.min() < 0 or toks.max() >= self.vocab_size:
+                raise UserError(fld, f"token ids must lie in [0, {self.vocab_size})")
+            if self.max_positions is not None and toks.size > self.max_positions:
+                raise UserError(fld, f"length {toks.size} exceeds the model's context of {self.max_positions} tokens")
+            inputs = losses.prepare_inputs(
+                item.loss_fn, d.loss_fn_inputs, int(toks.size), j, vocab_size=self.vocab_size, device=self.device
+            )
+            rows.append(_Row(idx, j, torch.from_numpy(toks.astype(np.int64)), inputs, not item.forward_only))
+        return rows, config
+
+    # ------------------------------------------------------------------ passes
+
+    def _micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
+        order = sorted(rows, key=lambda r: -r.n)
+        batches: list[list[_Row]] = []
+        cur: list[_Row] = []
+        for r in order:
+            longest = cur[0].n if cur else r.n  # rows come longest first
+            if cur and (len(cur) + 1 > self.max_rows or (len(cur) + 1) * longest > self.max_tokens):
+                batches.append(cur)
+                cur = []
+            cur.append(r)
+        if cur:
+            batches.append(cur)
+        return batches
+
+    def forward_backward(self, items: Sequence[FwdBwdItem]) -> list[FwdBwdResult]:
+        """Run forward (and, unless ``forward_only``, backward) for all items in one packed pass.
+
+        Each item is validated first; an invalid item gets its error in its result and the
+        others still run. Gradients accumulate into each run's adapter until its
+        :meth:`optim_step`. If the pass itself fails, every run's gradients are restored to
+        their state before the call and every valid item's result carries a ServerError.
+
+        Returns:
+            one :class:`FwdBwdResult` per item, in order.
+        """
+        results = [FwdBwdResult() for _ in items]
+        configs: dict[int, dict[str, float]] = {}
+        all_rows: list[_Row] = []
+        for i, item in enumerate(items):
+            try:
+                rows, configs[i] = self._prepare(i, item)
+            except UserError as e:
+                results[i].error = e
+                continue
+            all_rows.extend(rows)
+            results[i].loss_fn_outputs = [{} for _ in item.datums]
+            results[i].metrics = {"loss:sum": 0.0}
+        valid = [i for i in range(len(items)) if results[i].error is None]
+        if not all_rows:
+            return results
+
+        grad_runs = {items[r.item].model_id for r in all_rows if r.grad}
+        snapshot = {
+            m: [None if p.grad is None else p.grad.detach().clone() for p in self.runs[m].optimizer.params]
+            for m in grad_runs
+        }
+        loss_sums = {i: 0.0 for i in valid}
+        try:
+            for mb in self._micro_batches(all_rows):
+                self._run_micro_batch(mb, items, configs, results, loss_sums)
+        except Exception as e:  # restore gradients: a failed pass must not half-apply
+            for m, grads in snapshot.items():
+                for p, g in zip(self.runs[m].optimizer.params, grads):
+                    p.grad = g
+            err = ServerError(f"forward_backward pass failed: {type(e).__name__}: {e}")
+            for i in valid:
+                results[i] = FwdBwdResult(error=err)
+            return results
+        for i in valid:
+            results[i].metrics["loss:sum"] = float(loss_sums[i])
+        return results
+
+    def _run_micro_batch(
+        self,
+        mb: list[_Row],
+        items: Sequence[FwdBwdItem],
+        configs: Mapping[int, dict[str, float]],
+        results: list[FwdBwdResult],
+        loss_sums: dict[int, float],
+    ) -> None:
+        # rows of one run next to each other: the LoRA layers then work on slices
+        first_seen: dict[str, int] = {}
+        for r in mb:
+            first_seen.setdefault(items[r.item].model_id, len(first_seen))
+        mb = sorted(mb, key=lambda r: first_seen[items[r.item].model_id])
+        row_adapters = [items[r.item].model_id for r in mb]
+        grad_adapters = {a for a, r in zip(row_adapters, mb) if r.grad}
+        no_grad_adapters = sorted(set(row_adapters) - grad_adapters)
+        needs_grad = bool(grad_adapters)
+        ids, mask = pad_batch([r.tokens.tolist() for r in mb], self.pad_id, side="right")
+        T, K = ids.shape[1], max(r.k for r in mb)
+        tgt = torch.zeros((len(mb), T, K), dtype=torch.long)
+        for b, r in enumerate(mb):
+            tt = r.inputs["target_tokens"].cpu()
+            if tt.dim() == 1:
+                tgt[b, : r.n, 0] = tt
+            else:
+                tgt[b, : r.n, : tt.shape[1]] = tt
+        with torch.set_grad_enabled(needs_grad):
+            lp = target_logprobs(
+                self.model, ids, tgt, mask, row_adapters,
+                no_grad_adapters=no_grad_adapters, chunk_tokens=self.chunk_tokens,
+            )  # float32 [B, T, K]
+            total = None
+            for b, r in enumerate(mb):
+                item = items[r.item]
+                row_lp = lp[b, : r.n, 0] if r.inputs["target_tokens"].dim() == 1 else lp[b, : r.n, : r.k]
+                if not r.grad:
+                    row_lp = row_lp.detach()
+                loss, outputs, _ = losses.compute_loss(item.loss_fn, row_lp, r.inputs, configs[r.item])
+                if not torch.isfinite(loss.detach()):
+                    raise FloatingPointError(f"non-finite loss for {item.model_id} datum {r.datum}")
+                results[r.item].loss_fn_outputs[r.datum] = {
+                    k: v.detach().to("cpu", torch.float32).numpy() for k, v in outputs.items()
+                }
+                loss_sums[r.item] += float(loss.detach())
+                if r.grad:
+                    total = loss if total is None else total + loss
+            if total is not None and total.requires_grad:
+                total.backward()
+
+    # --------------------------------------------------------------- optimizer
+
+    def optim_step(self, model_id: str, adam: Mapping[str, object] | AdamConfig) -> dict[str, float]:
+        """One AdamW step of run ``model_id`` on its accumulated gradients, then zero them.
+
+        Args:
+            adam: Tinker ``AdamParams`` fields (learning_rate, beta1, beta2, eps,
+                weight_decay, grad_clip_norm); missing ones take the SDK defaults.
+
+        Returns:
+            metrics ``{"grad_norm:mean": pre-clip global grad norm, "learning_rate:mean": lr}``.
+
+        Raises:
+            NotFound: unknown run. UserError: ``adam_params.<key>`` invalid.
+        """
+        run = self._run(model_id)
+        cfg = adam if isinstance(adam, AdamConfig) else AdamConfig.parse(adam)
+        return run.optimizer.step(cfg)
+
+    def zero_grad(self, model_id: str) -> None:
+        self._run(model_id).optimizer.zero_grad()
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self, model_id: str, with_optimizer: bool = True) -> dict:
+        """``{"format", "spec", "peft_config", "adapter": {peft key: CPU tensor},
+        "optimizer": RunOptimizer state or None}`` (torch.save-able)."""
+        run = self._run(model_id)
+        return {
+            "format": _RUN_FORMAT,
+            "spec": run.spec.to_dict(),
+            "peft_config": self.model.peft_config(model_id),
+            "adapter": self.model.peft_state_dict(model_id),
+            "optimizer": run.optimizer.state_dict() if with_optimizer else None,
+        }
+
+    def load_state_dict(self, model_id: str, state: Mapping, with_optimizer: bool) -> None:
+        """Create or replace run ``model_id`` from :meth:`state_dict` output.
+
+        The run takes the state's adapter (and spec); its gradients are cleared; its optimizer
+        state is the saved one when ``with_optimizer`` else fresh. On any error the run is
+        left exactly as it was.
+
+        Raises:
+            UserError("checkpoint", ...): incompatible or incomplete state (e.g. no optimizer
+                state while ``with_optimizer``).
+        """
+        spec = LoraSpec.from_dict(state["spec"]) if state.get("spec") else None
+        self._install(model_id, state["adapter"], state["peft_config"], spec, state.get("optimizer"), with_optimizer)
+
+    def _install(
+        self,
+        model_id: str,
+        adapter: Mapping[str, torch.Tensor],
+        peft_config: Mapping,
+        spec: LoraSpec | None,
+        opt_state: Mapping | None,
+        with_optimizer: bool,
+    ) -> None:
+        if with_optimizer and opt_state is None:
+            raise UserError("checkpoint", "has no optimizer state (saved without optimizer)")
+        tmp = f"{model_id}\x00staging"
+        self.model.remove_adapter(tmp)
+        try:
+            self.model.load_peft_state_dict(tmp, adapter, peft_config, seed=None if spec is None else spec.seed)
+            opt = self._new_optimizer(tmp)
+            if with_optimizer:
+                opt.load_state_dict(opt_state)
+        except BaseException:
+            self.model.remove_adapter(tmp)
+            raise
+        self.model.remove_adapter(model_id)
+        self.model.rename_adapter(tmp, model_id)
+        self.runs[model_id] = _Run(self.model.adapter_spec(model_id), opt)
+
+    def save_state(self, model_id: str, directory: Path, with_optimizer: bool = True) -> None:
+        """Write the run to ``directory``: ``adapter_model.safetensors`` + ``adapter_config.json``
+        (PEFT), ``optimizer.pt`` (if ``with_optimizer``), ``run.json`` (spec, step count)."""
+        run = self._run(model_id)
+        directory = Path(directory)
+        save_peft_adapter(self.model, model_id, directory)
+        if with_optimizer:
+            torch.save(run.optimizer.state_dict(), directory / OPTIMIZER_NAME)
+        meta = {
+            "format": _RUN_FORMAT,
+            "spec": run.spec.to_dict(),
+            "base_model_dir": str(self.base_model_dir),
+            "optimizer_steps": run.optimizer.steps,
+            "has_optimizer": bool(with_optimizer),
+        }
+        (directory / RUN_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True))
+
+    def load_state(
+        self, model_id: str, directory: Path, with_optimizer: bool, spec: LoraSpec | None = None
+    ) -> None:
+        """Create or replace run ``model_id`` from a :meth:`save_state` directory (or a bare
+        PEFT adapter directory when ``with_optimizer`` is False).
+
+        Args:
+            spec: the spec the caller expects (e.g. the run's create_model LoRA config); if
+                given, the checkpoint's rank, alpha and targets must match it.
+
+        Raises:
+            UserError("checkpoint", ...): missing files, incompatible adapter, spec mismatch,
+                or no optimizer state while ``with_optimizer``.
+        """
+        directory = Path(directory)
+        adapter, peft_config = read_peft_adapter(directory)
+        saved_spec = None
+        if (directory / RUN_NAME).is_file():
+            try:
+                saved_spec = LoraSpec.from_dict(json.loads((directory / RUN_NAME).read_text())["spec"])
+            except Exception as e:
+                raise UserError("checkpoint", f"unreadable {RUN_NAME}: {e}") from None
+        opt_state = None
+        if with_optimizer:
+            path = directory / OPTIMIZER_NAME
+            if not path.is_file():
+                raise UserError("checkpoint", "has no optimizer state (saved without optimizer)")
+            try:
+                opt_state = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise UserError("checkpoint", f"unreadable {OPTIMIZER_NAME}: {e}") from None
+        if spec is not None:
+            ck_rank = int(peft_config.get("r", -1))
+            ck_alpha = float(peft_config.get("lora_alpha", -1))
+            targets = {str(t).rsplit(".", 1)[-1] for t in (peft_config.get("target_modules") or [])}
+            if ck_rank != spec.rank or ck_alpha != spec.resolved_alpha or targets != set(spec.targets()):
+                raise UserError(
+                    "checkpoint",
+                    f"LoRA config (rank {ck_rank}, alpha {ck_alpha}, targets {sorted(targets)}) does not match "
+                    f"the run's (rank {spec.rank}, alpha {spec.resolved_alpha}, targets {sorted(spec.targets())})",
+                )
+        seed_spec = saved_spec or spec
+        self._install(model_id, adapter, peft_config, seed_spec, opt_state, with_optimizer)
+
+    def export_sampler_weights(self, model_id: str, directory: Path) -> None:
+        """Write only the PEFT adapter (``adapter_model.safetensors`` + ``adapter_config.json``)."""
+        self._run(model_id)
+        save_peft_adapter(self.model, model_id, Path(directory))
+
+
+__all__ = [
+    "ADAPTER_CONFIG_NAME",
+    "ADAPTER_WEIGHTS_NAME",
+    "OPTIMIZER_NAME",
+    "RUN_NAME",
+    "Datum",
+    "FwdBwdItem",
+    "FwdBwdResult",
+    "TrainerEngine",
+]

@@ -1,0 +1,298 @@
+"""Tinker's built-in loss functions, per datum, with input/config validation.
+
+Every loss maps one datum's
+
+* ``target_logprobs``: float32 [T] (or [T, K] for 2-D cross-entropy targets), the current
+  policy's ``log p_theta(target_t | input_<=t)`` with grad (see ``openrl.numerics``),
+* ``inputs``: the datum's validated ``loss_fn_inputs`` as tensors on the same device,
+* ``config``: the resolved ``loss_fn_config`` (defaults filled in),
+
+to ``(loss, outputs, metrics)``: ``loss`` a scalar summed over tokens (Tinker losses are
+sums, never means), ``outputs`` the per-datum ``loss_fn_outputs`` (always ``"logprobs"``,
+float32, shape of ``target_tokens``), ``metrics`` ``{"loss:sum": float}``.
+
+Notation: ``lp`` = target_logprobs, ``q`` = ``inputs["logprobs"]`` (the sampler's logprobs
+of the same tokens), ``A`` = ``inputs["advantages"]``, ``r = exp(lp - q)`` the per-token
+importance ratio. Formulas (as documented for the Tinker API, tinker-docs "Loss Functions"):
+
+``cross_entropy``   ``loss = -sum(lp * weights)``. ``weights`` (optional, default 1) may be
+    negative or fractional. 2-D ``target_tokens`` [T, K] with ``weights`` [T, K] give
+    ``-sum_{t,k} lp[t,k] * w[t,k]`` (soft / top-K targets; this is also how the SDK's
+    ``forward_backward_custom`` sends its surrogate gradient).
+``importance_sampling``  ``loss = -sum(r * A)`` (REINFORCE with an importance ratio to
+    correct for sampler/learner mismatch).
+``ppo``   ``loss = -sum(min(r * A, clip(r, lo, hi) * A))``, the clipped surrogate of
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (arXiv:1707.06347).
+``cispo`` ``loss = -sum(sg(clip(r, lo, hi)) * A * lp)``, the clipped-IS-weight policy
+    optimisation of MiniMax-M1 (MiniMax, 2025, arXiv:2506.13585): the clipped ratio is a
+    stop-gradient coefficient, so no token's gradient is ever zeroed.
+``dro``   ``loss = -sum(A * lp - beta/2 * (lp - q)^2)``, direct reward optimisation with
+    a quadratic penalty (Richemond et al. 2024, "Offline Regularised Reinforcement Learning
+    for Large Language Models Alignment", arXiv:2405.19107; Kimi k1.5 2025).
+
+Clip thresholds are *ratio bounds*, exactly as Tinker's ``torch.clamp(prob_ratio,
+clip_low_threshold, clip_high_threshold)``: ppo defaults 0.8 / 1.2 (epsilon 0.2, PPO's
+usual value), cispo defaults 0.0 / 4.0 (one-sided cap, Tinker's documented default).
+Both can also be given per token as ``loss_fn_inputs`` of the same names (float32 [T]),
+which then override the config. ``dro``'s ``beta`` defaults to 0.05 (the value of Tinker's
+examples).
+
+Errors are :class:`openrl.errors.UserError` naming the field: ``loss_fn`` (unknown loss),
+``loss_fn_config.<key>`` (unknown key / bad value), ``data[i].loss_fn_inputs.<key>``
+(missing, unknown, wrong dtype, shape or non-finite input), ``data[i].model_input``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from openrl.errors import UserError
+
+LossResult = tuple[Tensor, dict[str, Tensor], dict[str, float]]
+LossFn = Callable[[Tensor, Mapping[str, Tensor], Mapping[str, float]], LossResult]
+
+
+# ---------------------------------------------------------------------------- losses
+
+
+def _out(lp: Tensor, loss: Tensor) -> LossResult:
+    return loss, {"logprobs": lp.detach()}, {"loss:sum": float(loss.detach())}
+
+
+def _thresholds(inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> tuple[Tensor | float, Tensor | float]:
+    lo = inputs.get("clip_low_threshold", config["clip_low_threshold"])
+    hi = inputs.get("clip_high_threshold", config["clip_high_threshold"])
+    return lo, hi
+
+
+def _clamp(x: Tensor, lo: Tensor | float, hi: Tensor | float) -> Tensor:
+    if isinstance(lo, Tensor) or isinstance(hi, Tensor):
+        lo_t = lo if isinstance(lo, Tensor) else torch.full_like(x, float(lo))
+        hi_t = hi if isinstance(hi, Tensor) else torch.full_like(x, float(hi))
+        return torch.minimum(torch.maximum(x, lo_t), hi_t)
+    return x.clamp(float(lo), float(hi))
+
+
+def cross_entropy(lp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> LossResult:
+    """``-sum(lp * weights)``; lp float32 [T] or [T, K]; weights same shape (default ones)."""
+    w = inputs.get("weights")
+    loss = -(lp * w).sum() if w is not None else -lp.sum()
+    return _out(lp, loss)
+
+
+def importance_sampling(lp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> LossResult:
+    """``-sum(exp(lp - q) * A)``; all [T] float32."""
+    ratio = torch.exp(lp - inputs["logprobs"])
+    return _out(lp, -(ratio * inputs["advantages"]).sum())
+
+
+def ppo(lp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> LossResult:
+    """``-sum(min(r * A, clip(r, lo, hi) * A))``, r = exp(lp - q) (Schulman et al. 2017)."""
+    ratio = torch.exp(lp - inputs["logprobs"])
+    lo, hi = _thresholds(inputs, config)
+    adv = inputs["advantages"]
+    objective = torch.minimum(ratio * adv, _clamp(ratio, lo, hi) * adv)
+    return _out(lp, -objective.sum())
+
+
+def cispo(lp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> LossResult:
+    """``-sum(sg(clip(r, lo, hi)) * A * lp)`` (MiniMax-M1, 2025)."""
+    ratio = torch.exp(lp - inputs["logprobs"])
+    lo, hi = _thresholds(inputs, config)
+    coef = _clamp(ratio, lo, hi).detach()
+    return _out(lp, -(coef * inputs["advantages"] * lp).sum())
+
+
+def dro(lp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> LossResult:
+    """``-sum(A * lp - beta/2 * (lp - q)^2)`` (Richemond et al. 2024)."""
+    beta = float(config["beta"])
+    objective = lp * inputs["advantages"] - 0.5 * beta * (lp - inputs["logprobs"]) ** 2
+    return _out(lp, -objective.sum())
+
+
+# ------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class LossDef:
+    """A built-in loss: its function, the ``loss_fn_inputs`` it takes, its config keys.
+
+    Attributes:
+        required: input keys that must be present (besides ``target_tokens``, always required).
+        optional: input keys that may be present.
+        config_defaults: accepted ``loss_fn_config`` keys and their defaults.
+        two_d_targets: whether ``target_tokens`` may be [T, K].
+    """
+
+    name: str
+    fn: LossFn
+    required: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+    config_defaults: Mapping[str, float] = field(default_factory=dict)
+    two_d_targets: bool = False
+
+
+_RL = ("logprobs", "advantages")
+_CLIP_INPUTS = ("clip_low_threshold", "clip_high_threshold")
+
+LOSSES: dict[str, LossDef] = {
+    "cross_entropy": LossDef("cross_entropy", cross_entropy, optional=("weights",), two_d_targets=True),
+    "importance_sampling": LossDef("importance_sampling", importance_sampling, required=_RL),
+    "ppo": LossDef(
+        "ppo", ppo, required=_RL, optional=_CLIP_INPUTS,
+        config_defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    ),
+    "cispo": LossDef(
+        "cispo", cispo, required=_RL, optional=_CLIP_INPUTS,
+        config_defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    ),
+    "dro": LossDef("dro", dro, required=_RL, config_defaults={"beta": 0.05}),
+}
+
+#: loss names of the SDK's LossFnType that this server does not implement.
+UNSUPPORTED = ("gspo", "stable_reinforce", "custom")
+
+
+def get_loss(loss_fn: str) -> LossDef:
+    """The :class:`LossDef` of ``loss_fn``.
+
+    Raises:
+        UserError("loss_fn", ...): unknown or unsupported loss.
+    """
+    d = LOSSES.get(loss_fn) if isinstance(loss_fn, str) else None
+    if d is None:
+        what = "is not supported by this server" if loss_fn in UNSUPPORTED else "is unknown"
+        raise UserError("loss_fn", f"{loss_fn!r} {what}; supported: {', '.join(LOSSES)}")
+    return d
+
+
+def resolve_config(loss_fn: str, config: Mapping[str, float | str] | None) -> dict[str, float]:
+    """Validate ``loss_fn_config`` and fill defaults.
+
+    Returns:
+        ``{key: float}`` with every accepted key of the loss.
+
+    Raises:
+        UserError: ``loss_fn`` unknown; ``loss_fn_config.<key>`` unknown key, non-numeric or
+            non-finite value, or out of range (clip thresholds need 0 <= low <= high; beta >= 0).
+    """
+    d = get_loss(loss_fn)
+    out = dict(d.config_defaults)
+    for key, value in (config or {}).items():
+        fld = f"loss_fn_config.{key}"
+        if key not in d.config_defaults:
+            accepted = ", ".join(d.config_defaults) or "none"
+            raise UserError(fld, f"unknown key for loss_fn {loss_fn!r} (accepted: {accepted})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(fld, f"must be a number, got {value!r}")
+        if not math.isfinite(float(value)):
+            raise UserError(fld, f"must be finite, got {value!r}")
+        out[key] = float(value)
+    if "clip_low_threshold" in out:
+        lo, hi = out["clip_low_threshold"], out["clip_high_threshold"]
+        if lo < 0:
+            raise UserError("loss_fn_config.clip_low_threshold", f"must be >= 0 (it is a ratio bound), got {lo}")
+        if hi < lo:
+            raise UserError("loss_fn_config.clip_high_threshold", f"must be >= clip_low_threshold ({lo}), got {hi}")
+    if out.get("beta", 0.0) < 0:
+        raise UserError("loss_fn_config.beta", f"must be >= 0, got {out['beta']}")
+    return out
+
+
+def _as_array(value, fld: str) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    try:
+        arr = np.asarray(value)
+    except Exception as e:  # ragged lists and the like
+        raise UserError(fld, f"not a rectangular numeric array: {e}") from None
+    if arr.dtype.kind not in "iuf":
+        raise UserError(fld, f"must be numeric, got dtype {arr.dtype}")
+    return arr
+
+
+def prepare_inputs(
+    loss_fn: str,
+    inputs: Mapping[str, object],
+    n_tokens: int,
+    index: int,
+    vocab_size: int | None = None,
+    device: torch.device | str = "cpu",
+) -> dict[str, Tensor]:
+    """Validate one datum's ``loss_fn_inputs`` and convert them to tensors.
+
+    Args:
+        loss_fn: the loss name.
+        inputs: key -> numpy array (or tensor / nested list).
+        n_tokens: length of the datum's model input; ``target_tokens`` must have it as its
+            first dimension.
+        index: the datum's index in the request (for error field names).
+        vocab_size: if given, target ids must lie in ``[0, vocab_size)``.
+        device: where the tensors go.
+
+    Returns:
+        ``target_tokens`` int64 [T] or [T, K]; the float inputs float32, each of the
+        target's shape ([T] for RL inputs and clip thresholds).
+
+    Raises:
+        UserError: ``data[i].loss_fn_inputs.<key>`` missing / unknown / wrong dtype / wrong
+            shape / non-finite / out-of-vocabulary target; ``loss_fn`` unknown.
+    """
+    d = get_loss(loss_fn)
+    base = f"data[{index}].loss_fn_inputs"
+    allowed = {"target_tokens", *d.required, *d.optional}
+    for key in inputs:
+        if key not in allowed:
+            raise UserError(f"{base}.{key}", f"not an input of loss_fn {loss_fn!r} (accepted: {', '.join(sorted(allowed))})")
+    for key in ("target_tokens", *d.required):
+        if key not in inputs:
+            raise UserError(f"{base}.{key}", f"required by loss_fn {loss_fn!r}")
+
+    fld = f"{base}.target_tokens"
+    tt = _as_array(inputs["target_tokens"], fld)
+    if tt.dtype.kind == "f":
+        if not (np.isfinite(tt).all() and (tt == np.round(tt)).all()):
+            raise UserError(fld, "must hold integer token ids")
+    ndim_ok = tt.ndim == 1 or (tt.ndim == 2 and d.two_d_targets)
+    if not ndim_ok:
+        shapes = "[T] or [T, K]" if d.two_d_targets else "[T]"
+        raise UserError(fld, f"must have shape {shapes} for loss_fn {loss_fn!r}, got {list(tt.shape)}")
+    if tt.shape[0] != n_tokens:
+        raise UserError(fld, f"length {tt.shape[0]} must equal the model_input length {n_tokens}")
+    if tt.ndim == 2 and tt.shape[1] == 0:
+        raise UserError(fld, "the K dimension of [T, K] targets must be >= 1")
+    tt = tt.astype(np.int64)
+    if vocab_size is not None and tt.size and (tt.min() < 0 or tt.max() >= vocab_size):
+        raise UserError(fld, f"token ids must lie in [0, {vocab_size})")
+    out = {"target_tokens": torch.from_numpy(np.ascontiguousarray(tt)).to(device)}
+
+    for key, value in inputs.items():
+        if key == "target_tokens":
+            continue
+        fld = f"{base}.{key}"
+        arr = _as_array(value, fld)
+        want = tt.shape if key == "weights" else tt.shape[:1]
+        if tuple(arr.shape) != tuple(want):
+            raise UserError(fld, f"shape {list(arr.shape)} must be {list(want)} (that of target_tokens)")
+        arr = arr.astype(np.float32)
+        if not np.isfinite(arr).all():
+            raise UserError(fld, "must be finite (no NaN/inf)")
+        if key in _CLIP_INPUTS and (arr < 0).any():
+            raise UserError(fld, "clip thresholds are ratio bounds and must be >= 0")
+        out[key] = torch.from_numpy(np.ascontiguousarray(arr)).to(device)
+    return out
+
+
+def compute_loss(
+    loss_fn: str, target_logprobs: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]
+) -> LossResult:
+    """Run loss ``loss_fn`` on one datum (inputs from :func:`prepare_inputs`, config from
+    :func:`resolve_config`). Returns ``(loss scalar, {"logprobs": [T] or [T, K]},
+    {"loss:sum": float})``."""
+    return get_loss(loss_fn).fn(target_logprobs, inputs, config)

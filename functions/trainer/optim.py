@@ -1,0 +1,166 @@
+"""Per-run AdamW honouring every field of Tinker's ``AdamParams``.
+
+Tinker documents its Adam as identical to ``torch.optim.AdamW`` (decoupled weight decay)
+with per-step hyperparameters; we use ``torch.optim.AdamW`` and set the param group's
+``lr``, ``betas``, ``eps`` and ``weight_decay`` from each ``optim_step`` request. The update
+for parameter p with gradient g (after clipping) at step t is::
+
+    p <- p * (1 - lr * weight_decay)
+    m <- beta1 * m + (1 - beta1) * g ;  v <- beta2 * v + (1 - beta2) * g^2
+    p <- p - lr * (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps)
+
+``grad_clip_norm`` > 0 first rescales all of the run's gradients by
+``min(1, grad_clip_norm / (||g||_2 + 1e-6))`` where ``||g||_2`` is the global L2 norm over
+the run's adapter parameters (``torch.nn.utils.clip_grad_norm_``); 0 disables clipping.
+Parameters without a gradient are stepped with a zero gradient, so every step updates
+every parameter's moments and applies weight decay.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from openrl.errors import UserError
+
+_FIELD = "adam_params"
+
+
+@dataclass(frozen=True)
+class AdamConfig:
+    """Validated ``AdamParams`` (defaults are the SDK's ``tinker.types.AdamParams``)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+    @classmethod
+    def parse(cls, adam: Mapping[str, object] | None) -> "AdamConfig":
+        """Validate a request's adam params dict (missing keys take the SDK defaults).
+
+        Raises:
+            UserError: ``adam_params.<key>`` unknown key, non-numeric, non-finite or out of
+                range (lr, eps, weight_decay, grad_clip_norm >= 0; 0 <= beta < 1).
+        """
+        adam = dict(adam or {})
+        kind = adam.pop("type", None)
+        if kind not in (None, "adam", "adamw"):
+            raise UserError(f"{_FIELD}.type", f"only AdamW is supported, got {kind!r}")
+        known = {f for f in cls.__dataclass_fields__}
+        vals: dict[str, float] = {}
+        for key, value in adam.items():
+            fld = f"{_FIELD}.{key}"
+            if key not in known:
+                raise UserError(fld, f"unknown field (accepted: {', '.join(sorted(known))})")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise UserError(fld, f"must be a number, got {value!r}")
+            if not math.isfinite(float(value)):
+                raise UserError(fld, f"must be finite, got {value!r}")
+            vals[key] = float(value)
+        cfg = cls(**vals)
+        for key in ("learning_rate", "eps", "weight_decay", "grad_clip_norm"):
+            if getattr(cfg, key) < 0:
+                raise UserError(f"{_FIELD}.{key}", f"must be >= 0, got {getattr(cfg, key)}")
+        for key in ("beta1", "beta2"):
+            if not 0.0 <= getattr(cfg, key) < 1.0:
+                raise UserError(f"{_FIELD}.{key}", f"must be in [0, 1), got {getattr(cfg, key)}")
+        return cfg
+
+
+class RunOptimizer:
+    """AdamW over one run's adapter parameters.
+
+    Args:
+        named_params: ``(name, parameter)`` pairs; names key the serialised state, so a state
+            saved from one process loads into another with the same adapter layout.
+    """
+
+    def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]]):
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.opt = torch.optim.AdamW(self.params, lr=0.0, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        self.steps = 0
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the current gradients (0 if none)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+
+    @torch.no_grad()
+    def step(self, adam: AdamConfig | Mapping[str, object]) -> dict[str, float]:
+        """Clip, apply one AdamW step with ``adam``'s hyperparameters, zero the gradients.
+
+        Returns:
+            metrics: ``grad_norm:mean`` (global norm before clipping), ``learning_rate:mean``.
+        """
+        cfg = adam if isinstance(adam, AdamConfig) else AdamConfig.parse(adam)
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        norm = self.grad_norm()
+        if cfg.grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip_norm)
+        for g in self.opt.param_groups:
+            g["lr"] = cfg.learning_rate
+            g["betas"] = (cfg.beta1, cfg.beta2)
+            g["eps"] = cfg.eps
+            g["weight_decay"] = cfg.weight_decay
+        self.opt.step()
+        self.steps += 1
+        self.zero_grad()
+        return {"grad_norm:mean": norm, "learning_rate:mean": cfg.learning_rate}
+
+    def state_dict(self) -> dict:
+        """torch.save-able state: per-parameter-name moments and step counts (CPU tensors)."""
+        st = self.opt.state_dict()["state"]
+        per_name = {}
+        for i, name in enumerate(self.names):
+            if i in st:
+                per_name[name] = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in st[i].items()}
+        return {"format": "openrl.adamw.v1", "steps": self.steps, "state": per_name}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore from :meth:`state_dict` output.
+
+        Raises:
+            UserError("checkpoint", ...): format or parameter names/shapes do not match.
+        """
+        if state.get("format") != "openrl.adamw.v1":
+            raise UserError("checkpoint", f"unknown optimizer state format {state.get('format')!r}")
+        per_name = state["state"]
+        unknown = set(per_name) - set(self.names)
+        if unknown:
+            raise UserError("checkpoint", f"optimizer state for unknown parameters, e.g. {sorted(unknown)[0]}")
+        new_state = {}
+        for i, (name, p) in enumerate(zip(self.names, self.params)):
+            if name not in per_name:
+                continue
+            s = {}
+            for k, v in per_name[name].items():
+                if torch.is_tensor(v) and k != "step":
+                    if tuple(v.shape) != tuple(p.shape):
+                        raise UserError("checkpoint", f"optimizer state {name}.{k}: shape {tuple(v.shape)} != {tuple(p.shape)}")
+                    v = v.to(device=p.device, dtype=p.dtype)
+                s[k] = v
+            new_state[i] = s
+        sd = self.opt.state_dict()
+        sd["state"] = new_state
+        self.opt.load_state_dict(sd)
+        self.steps = int(state.get("steps", 0))
+
+
+def adam_config_dict(cfg: AdamConfig) -> dict[str, float]:
+    return asdict(cfg)
