@@ -1,0 +1,509 @@
+"""The sampler's engine: request validation, an adapter LRU cache, and a pluggable backend.
+
+Layers::
+
+    functions/sampler.Function.handle(event)        (decodes /asample, fetches weights)
+        └─ SamplerEngine.sample(job)                 validation, max_tokens default, adapter pinning
+               └─ SamplerBackend.sample(job)          batching + decoding (transformers on CPU,
+                                                      vLLM on GPU, added later)
+
+Everything is asynchronous and safe for many concurrent callers on one event loop: each
+``sample`` call is one request; the backend batches concurrent requests together (the
+transformers backend decodes all pending rows in one forward per step; vLLM does its own
+continuous batching).
+
+Numerics contract (all backends): every logprob returned (sampled tokens, prompt tokens,
+top-k) is ``log_softmax`` of the model's raw logits in float32, at temperature 1 and with no
+top-k/top-p filtering, i.e. the same numbers the trainer's ``openrl.numerics.target_logprobs``
+gives for the same tokens. Temperature, top-k and top-p change only *which* token is drawn.
+
+Adapters are keyed by an immutable snapshot key (the ``tinker://`` sampler-weights path): a
+key always means the same weights, so a loaded adapter never has to be reloaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import logging
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from openrl.errors import ServerError, UserError
+
+log = logging.getLogger(__name__)
+
+#: ``max_tokens`` when a request leaves it out (the SDK sends nothing unless set). vLLM's
+#: ``SamplingParams`` uses the same default. Always capped at the room left in the context.
+DEFAULT_MAX_TOKENS = 16
+#: Logprob written into empty top-k cells (Tinker's ``TopkLogprobs`` sentinel, with id 0).
+TOPK_MASK_LOGPROB = -99999.0
+
+
+# --------------------------------------------------------------------------- data types
+
+
+@dataclass
+class SampleJob:
+    """One sampling request (one ``/asample``), already decoded from the wire.
+
+    Attributes:
+        prompt: prompt token ids (the ``encoded_text`` chunks concatenated), length P >= 1.
+        num_samples: independent sequences to draw from the prompt (>= 1).
+        max_tokens: most tokens to generate per sequence; None = the engine's default
+            (``max_tokens_default``, capped at the room left in the context).
+        temperature: >= 0; 0 = greedy (argmax). Only changes which token is drawn.
+        top_p: nucleus mass in (0, 1]; 1 = no nucleus filtering.
+        top_k: keep the k most likely tokens; -1 (or 0) = no limit.
+        seed: sequences ``i`` of a job with seed ``s`` are drawn from a generator seeded by
+            ``(s, i)`` only, so the same seed gives the same samples whatever else is batched
+            with it. None = a fresh random seed.
+        stop: None = stop at EOS; ``[]`` = never stop (only ``max_tokens``); a list of token
+            ids or a list of strings (a bare string counts as a one-element list) = stop at
+            any of them or at EOS. See ``stops.py``: the
+            returned tokens include the stop token / the token completing a stop string.
+        prompt_logprobs: return ``SampleResult.prompt_logprobs``.
+        topk_prompt_logprobs: K >= 0; return the top-K (id, logprob) at every prompt position.
+        topk_sample_logprobs: K >= 0; return the top-K (id, logprob) at every sampled position.
+        prompt_logprobs_last_n: score only the last N prompt positions (1 <= N <= P-1);
+            earlier positions are NaN (prompt_logprobs) / empty (top-k rows). Needs
+            ``prompt_logprobs``.
+        adapter: key of an adapter loaded with ``SamplerEngine.ensure_adapter`` (or passed
+            with ``adapter_dir`` to ``sample``); None = the base model.
+        target_prompt_ids: optional ``[P-1][K]`` token ids (Tinker ``target_prompt_logprobs``):
+            row ``i`` names ids to score at prompt position ``i+1``; -1 = unused cell.
+        prompt_alt_tokens_k: k >= 0; draw k tokens at every prompt position after the first,
+            at the job's temperature (Tinker ``prompt_alt_tokens_k``).
+    """
+
+    prompt: list[int]
+    num_samples: int = 1
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] | list[int] | None = None
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
+    adapter: str | None = None
+    target_prompt_ids: list[list[int]] | None = None
+    prompt_alt_tokens_k: int = 0
+
+
+#: Top-k logprobs at N positions: ``(ids [N][K], logprobs [N][K])``; empty cells are id 0
+#: with logprob ``TOPK_MASK_LOGPROB`` (-99999.0), Tinker's ``TopkLogprobs`` convention.
+TopK = tuple[list[list[int]], list[list[float]]]
+
+
+@dataclass
+class SampledSequence:
+    """One generated sequence.
+
+    Attributes:
+        tokens: generated ids (prompt excluded), length N <= max_tokens; ends with the stop
+            token / the token completing a stop string when ``stop_reason == "stop"``.
+        logprobs: float32-computed logprob of each token in ``tokens`` (length N), under the
+            raw model distribution (temperature 1, unfiltered).
+        stop_reason: ``"stop"`` (stop token, stop string or EOS) or ``"length"`` (max_tokens).
+        topk: top-K per generated position, ``([N][K] ids, [N][K] logprobs)``, when
+            ``topk_sample_logprobs > 0``; else None.
+    """
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str
+    topk: TopK | None = None
+
+
+@dataclass
+class SampleResult:
+    """The answer to one ``SampleJob``.
+
+    Attributes:
+        sequences: ``num_samples`` sequences, in sample-index order.
+        prompt_logprobs: P floats when ``prompt_logprobs``: entry ``t`` is log p(prompt[t] |
+            prompt[:t]); entry 0 is NaN, and so is every entry before the last-N suffix.
+        topk_prompt: ``([P][K] ids, [P][K] logprobs)`` when ``topk_prompt_logprobs > 0``;
+            row 0 (and rows before the last-N suffix) empty.
+        target_prompt_logprobs: ``[P-1][K]`` logprobs of ``target_prompt_ids`` (0.0 where
+            the id was -1), when asked.
+        prompt_alt_tokens: ``([P-1][k] ids, [P-1][k] logprobs)`` when ``prompt_alt_tokens_k``.
+    """
+
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float] | None = None
+    topk_prompt: TopK | None = None
+    target_prompt_logprobs: list[list[float]] | None = None
+    prompt_alt_tokens: TopK | None = None
+
+
+# --------------------------------------------------------------------------- backend interface
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the engine needs to know about the loaded base model to validate requests.
+
+    Attributes:
+        vocab_size: valid token ids are ``0 <= id < vocab_size`` (the embedding rows).
+        max_context: most tokens (prompt + generated) in one sequence.
+        eos_token_ids: ids that end a sequence when ``stop`` is None or non-empty.
+        has_tokenizer: whether stop *strings* can be honoured.
+    """
+
+    vocab_size: int
+    max_context: int
+    eos_token_ids: frozenset[int]
+    has_tokenizer: bool
+
+
+@runtime_checkable
+class SamplerBackend(Protocol):
+    """A decoding backend for one base model. Implementations: ``hf_backend.HFBackend``
+    (transformers, CPU or a single GPU) and, later, a vLLM backend.
+
+    The engine calls ``sample`` only with validated jobs whose ``max_tokens`` is an int and
+    whose adapter is loaded and pinned (it is not unloaded before ``sample`` returns). A
+    backend must honour the numerics contract in this module's docstring and the stop
+    semantics in ``stops.py``.
+    """
+
+    limits: ModelLimits
+
+    async def load_adapter(self, key: str, directory: Path) -> None:
+        """Load a PEFT LoRA directory (adapter_model.safetensors + adapter_config.json)
+        under ``key``. Raises ``UserError("model_path", ...)`` if the files are unusable."""
+        ...
+
+    async def unload_adapter(self, key: str) -> None:
+        """Free the adapter ``key`` (no job uses it)."""
+        ...
+
+    async def sample(self, job: SampleJob) -> SampleResult:
+        """Run one validated job. Safe to call concurrently; batches concurrent calls."""
+        ...
+
+    async def close(self) -> None:
+        """Stop background work and fail jobs still in flight."""
+        ...
+
+
+def make_backend(
+    kind: str,
+    base_model_dir: Path,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    max_batch_rows: int = 64,
+    max_context: int | None = None,
+) -> SamplerBackend:
+    """Build a backend by name.
+
+    Args:
+        kind: ``"hf"`` (transformers), ``"vllm"`` (module ``functions.sampler.vllm_backend``,
+            class ``VLLMBackend``, same keyword arguments), or ``"auto"``: vLLM when a CUDA
+            device is present and ``vllm`` is importable, else transformers.
+        base_model_dir: local Hugging Face model directory (config, safetensors, tokenizer).
+
+    Raises:
+        ValueError: unknown ``kind``.
+    """
+    if kind == "auto":
+        use_vllm = (
+            device != "cpu"
+            and torch.cuda.is_available()
+            and importlib.util.find_spec("vllm") is not None
+            and importlib.util.find_spec("functions.sampler.vllm_backend") is not None
+        )
+        kind = "vllm" if use_vllm else "hf"
+    kwargs = dict(device=device, dtype=dtype, max_batch_rows=max_batch_rows, max_context=max_context)
+    if kind == "hf":
+        from functions.sampler.hf_backend import HFBackend
+
+        return HFBackend(base_model_dir, **kwargs)
+    if kind == "vllm":
+        mod = importlib.import_module("functions.sampler.vllm_backend")
+        return mod.VLLMBackend(base_model_dir, **kwargs)
+    raise ValueError(f"unknown sampler backend {kind!r} (expected 'auto', 'hf' or 'vllm')")
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class SamplerEngine:
+    """Validates sampling jobs, keeps an LRU cache of adapters, and runs jobs on a backend.
+
+    Args:
+        base_model_dir: local HF directory of the base model.
+        device: torch device for the transformers backend (``"cpu"``, ``"cuda"``).
+        dtype: model dtype (float32 on CPU); logprobs are float32 regardless.
+        max_batch_rows: most sequences decoded together in one forward.
+        adapter_cache_size: adapters kept loaded; the least recently used one not in use is
+            unloaded beyond this (an adapter pinned by a running job is never unloaded, so
+            the cache can briefly exceed the size).
+        max_tokens_default: ``max_tokens`` when a job gives None (capped at the context).
+        max_context: cap on prompt + generated tokens; default: the model's
+            ``max_position_embeddings``.
+        max_num_samples: most sequences per job.
+        max_topk: most top-K width for ``topk_*_logprobs`` and ``prompt_alt_tokens_k``.
+        backend: ``"auto"`` | ``"hf"`` | ``"vllm"`` or a ready ``SamplerBackend``.
+    """
+
+    def __init__(
+        self,
+        base_model_dir: Path,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_batch_rows: int = 64,
+        adapter_cache_size: int = 8,
+        max_tokens_default: int = DEFAULT_MAX_TOKENS,
+        max_context: int | None = None,
+        max_num_samples: int = 128,
+        max_topk: int = 20,
+        backend: str | SamplerBackend = "auto",
+    ):
+        if isinstance(backend, str):
+            backend = make_backend(
+                backend,
+                Path(base_model_dir),
+                device=device,
+                dtype=dtype,
+                max_batch_rows=max_batch_rows,
+                max_context=max_context,
+            )
+        self.backend: SamplerBackend = backend
+        self.limits: ModelLimits = backend.limits
+        self.adapter_cache_size = max(1, int(adapter_cache_size))
+        self.max_tokens_default = int(max_tokens_default)
+        self.max_num_samples = int(max_num_samples)
+        self.max_topk = int(max_topk)
+        self._adapters: OrderedDict[str, Path] = OrderedDict()  # key -> dir, LRU first
+        self._in_use: dict[str, int] = {}  # key -> running jobs pinning it
+        self._loading: dict[str, asyncio.Future] = {}
+        self._closed = False
+
+    # -- adapters
+
+    def loaded_adapters(self) -> list[str]:
+        """Keys of loaded adapters, least recently used first."""
+        return list(self._adapters)
+
+    async def ensure_adapter(self, key: str, local_dir: Path) -> None:
+        """Make adapter ``key`` (a PEFT directory at ``local_dir``) loaded and most recently used.
+
+        Loads it if needed (concurrent calls for the same key load it once), then unloads
+        least-recently-used adapters beyond ``adapter_cache_size`` that no job is using.
+
+        Raises:
+            UserError: the directory is not a usable PEFT adapter for this base model.
+        """
+        if key in self._adapters:
+            self._adapters.move_to_end(key)
+            return
+        pending = self._loading.get(key)
+        if pending is not None:
+            await asyncio.shield(pending)
+            if key in self._adapters:
+                self._adapters.move_to_end(key)
+                return
+        fut = asyncio.get_running_loop().create_future()
+        self._loading[key] = fut
+        try:
+            await self.backend.load_adapter(key, Path(local_dir))
+            self._adapters[key] = Path(local_dir)
+        finally:
+            del self._loading[key]
+            fut.set_result(None)
+        await self._evict(protect=key)
+
+    async def _evict(self, protect: str | None = None) -> None:
+        """Unload LRU adapters beyond the cache size, skipping pinned ones and ``protect``
+        (the adapter just ensured, which its caller is about to use)."""
+        while len(self._adapters) > self.adapter_cache_size:
+            victim = next((k for k in self._adapters if not self._in_use.get(k) and k != protect), None)
+            if victim is None:  # everything is pinned; evict when a job releases one
+                return
+            del self._adapters[victim]
+            log.info("unloading adapter %s (LRU)", victim)
+            await self.backend.unload_adapter(victim)
+
+    # -- validation
+
+    def validate(self, job: SampleJob) -> SampleJob:
+        """Check ``job`` against the model and the limits; return it with ``max_tokens`` set.
+
+        Raises:
+            UserError: naming the field at fault (``prompt.chunks``, ``num_samples``,
+                ``sampling_params.max_tokens|temperature|top_p|top_k|seed|stop``,
+                ``topk_prompt_logprobs``, ``topk_sample_logprobs``,
+                ``prompt_logprobs_last_n``, ``target_prompt_logprobs``,
+                ``prompt_alt_tokens_k``).
+        """
+        lim = self.limits
+        prompt = job.prompt
+        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+            raise UserError("prompt.chunks", "the prompt must hold at least one token")
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < lim.vocab_size:
+                raise UserError(
+                    "prompt.chunks",
+                    f"token id {t!r} is outside the vocabulary [0, {lim.vocab_size})",
+                )
+        P = len(prompt)
+        if P >= lim.max_context:
+            raise UserError(
+                "prompt.chunks",
+                f"the prompt has {P} tokens; the model context is {lim.max_context} tokens, "
+                "which leaves no room to generate",
+            )
+        if not _is_int(job.num_samples) or not 1 <= job.num_samples <= self.max_num_samples:
+            raise UserError(
+                "num_samples", f"must be an integer in [1, {self.max_num_samples}], got {job.num_samples!r}"
+            )
+        room = lim.max_context - P
+        if job.max_tokens is None:
+            max_tokens = min(self.max_tokens_default, room)
+        else:
+            if not _is_int(job.max_tokens) or job.max_tokens < 1:
+                raise UserError("sampling_params.max_tokens", f"must be an integer >= 1, got {job.max_tokens!r}")
+            if job.max_tokens > room:
+                raise UserError(
+                    "sampling_params.max_tokens",
+                    f"prompt ({P} tokens) + max_tokens ({job.max_tokens}) exceeds the model "
+                    f"context of {lim.max_context} tokens",
+                )
+            max_tokens = int(job.max_tokens)
+        if not _is_real(job.temperature) or job.temperature < 0:
+            raise UserError("sampling_params.temperature", f"must be a finite number >= 0, got {job.temperature!r}")
+        if not _is_real(job.top_p) or not 0 < job.top_p <= 1:
+            raise UserError("sampling_params.top_p", f"must be in (0, 1], got {job.top_p!r}")
+        if not _is_int(job.top_k) or job.top_k < -1:
+            raise UserError("sampling_params.top_k", f"must be -1 (no limit) or a positive integer, got {job.top_k!r}")
+        if job.seed is not None and not _is_int(job.seed):
+            raise UserError("sampling_params.seed", f"must be an integer, got {job.seed!r}")
+        stop = job.stop
+        if stop is not None:
+            if isinstance(stop, str):
+                stop = [stop]
+            if not isinstance(stop, (list, tuple)):
+                raise UserError("sampling_params.stop", "must be a string, a list of strings or a list of token ids")
+            stop = list(stop)
+            if all(isinstance(s, str) for s in stop):
+                if any(s == "" for s in stop):
+                    raise UserError("sampling_params.stop", "stop strings must not be empty")
+                if stop and not lim.has_tokenizer:
+                    raise UserError("sampling_params.stop", "this model has no tokenizer; use stop token ids")
+            elif all(_is_int(s) for s in stop):
+                bad = [s for s in stop if not 0 <= s < lim.vocab_size]
+                if bad:
+                    raise UserError(
+                        "sampling_params.stop", f"stop token id {bad[0]} is outside the vocabulary [0, {lim.vocab_size})"
+                    )
+            else:
+                raise UserError("sampling_params.stop", "must be all strings or all token ids, not a mix")
+        for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            k = getattr(job, name)
+            if not _is_int(k) or not 0 <= k <= self.max_topk:
+                raise UserError(name, f"must be an integer in [0, {self.max_topk}], got {k!r}")
+        n = job.prompt_logprobs_last_n
+        if n is not None:
+            if not _is_int(n) or not 1 <= n <= P - 1:
+                raise UserError(
+                    "prompt_logprobs_last_n", f"must be an integer in [1, len(prompt) - 1 = {P - 1}], got {n!r}"
+                )
+            if not job.prompt_logprobs:
+                raise UserError("prompt_logprobs_last_n", "needs prompt_logprobs (include_prompt_logprobs) set")
+        tgt = job.target_prompt_ids
+        if tgt is not None:
+            if len(tgt) != P - 1 or any(not isinstance(r, (list, tuple)) for r in tgt):
+                raise UserError("target_prompt_logprobs", f"must have exactly len(prompt) - 1 = {P - 1} rows")
+            width = {len(r) for r in tgt}
+            if len(width) > 1:
+                raise UserError("target_prompt_logprobs", "rows must all have the same width")
+            ids = [t for r in tgt for t in r]
+            if not any(t != -1 for t in ids):
+                raise UserError("target_prompt_logprobs", "must name at least one token id")
+            if any(not _is_int(t) or not -1 <= t < lim.vocab_size for t in ids):
+                raise UserError("target_prompt_logprobs", f"ids must be -1 or in [0, {lim.vocab_size})")
+            if width and next(iter(width)) > self.max_topk:
+                raise UserError("target_prompt_logprobs", f"at most {self.max_topk} ids per row")
+        if job.adapter is not None and not isinstance(job.adapter, str):
+            raise UserError("model_path", "adapter key must be a string")
+        return replace(job, prompt=list(prompt), max_tokens=max_tokens, stop=stop)
+
+    # -- sampling
+
+    async def sample(self, job: SampleJob, *, adapter_dir: Path | None = None) -> SampleResult:
+        """Validate and run one job; many callers may await this concurrently.
+
+        Args:
+            job: the request. ``job.adapter`` must be loaded already, or ``adapter_dir``
+                given (then it is loaded here, atomically with pinning it).
+            adapter_dir: local PEFT directory of ``job.adapter``.
+
+        Returns:
+            ``SampleResult`` with ``job.num_samples`` sequences.
+
+        Raises:
+            UserError: invalid job (see ``validate``).
+            ServerError: ``job.adapter`` is not loaded and no ``adapter_dir`` was given, or
+                the engine is closed.
+        """
+        if self._closed:
+            raise ServerError("the sampler engine is closed")
+        job = self.validate(job)
+        key = job.adapter
+        if key is None:
+            return await self.backend.sample(job)
+        self._in_use[key] = self._in_use.get(key, 0) + 1
+        try:
+            if adapter_dir is not None:
+                await self.ensure_adapter(key, adapter_dir)
+            elif key not in self._adapters:
+                raise ServerError(f"adapter {key!r} is not loaded (call ensure_adapter first)")
+            else:
+                self._adapters.move_to_end(key)
+            return await self.backend.sample(job)
+        finally:
+            self._in_use[key] -= 1
+            if not self._in_use[key]:
+                del self._in_use[key]
+                if len(self._adapters) > self.adapter_cache_size:
+                    await self._evict()
+
+    async def close(self) -> None:
+        """Stop the backend; jobs still running fail with ``ServerError``."""
+        self._closed = True
+        await self.backend.close()
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "TOPK_MASK_LOGPROB",
+    "ModelLimits",
+    "SampleJob",
+    "SampleResult",
+    "SampledSequence",
+    "SamplerBackend",
+    "SamplerEngine",
+    "TopK",
+    "make_backend",
+]
