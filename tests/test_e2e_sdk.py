@@ -84,12 +84,13 @@ def _hand_loss(name: str, lp: np.ndarray, old: np.ndarray, adv: np.ndarray, w: n
         return float(-(lp * w).sum())
     if name == "importance_sampling":
         return float(-(ratio * adv).sum())
+    # Tinker's clip thresholds are bounds on the ratio itself: clamp(ratio, low, high)
     if name == "ppo":
-        lo, hi = cfg.get("clip_low_threshold", 0.2), cfg.get("clip_high_threshold", 0.2)
-        return float(-np.minimum(ratio * adv, np.clip(ratio, 1 - lo, 1 + hi) * adv).sum())
+        lo, hi = cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2)
+        return float(-np.minimum(ratio * adv, np.clip(ratio, lo, hi) * adv).sum())
     if name == "cispo":
-        lo, hi = cfg.get("clip_low_threshold", 0.2), cfg.get("clip_high_threshold", 0.2)
-        return float(-(np.clip(ratio, 1 - lo, 1 + hi) * adv * lp).sum())
+        lo, hi = cfg.get("clip_low_threshold", 0.0), cfg.get("clip_high_threshold", 4.0)
+        return float(-(np.clip(ratio, lo, hi) * adv * lp).sum())
     if name == "dro":
         beta = cfg.get("beta", 0.05)
         return float(-(adv * lp).sum() + 0.5 * beta * ((lp - old) ** 2).sum())
@@ -99,8 +100,8 @@ def _hand_loss(name: str, lp: np.ndarray, old: np.ndarray, adv: np.ndarray, w: n
 @pytest.mark.parametrize("loss_fn,cfg", [
     ("cross_entropy", {}),
     ("importance_sampling", {}),
-    ("ppo", {"clip_low_threshold": 0.1, "clip_high_threshold": 0.3}),
-    ("cispo", {"clip_low_threshold": 0.5, "clip_high_threshold": 0.1}),
+    ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.3}),
+    ("cispo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.1}),
     ("dro", {"beta": 0.3}),
 ])
 def test_loss_value_matches_hand_computation(service, seq, loss_fn, cfg):
