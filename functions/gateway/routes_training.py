@@ -108,7 +108,11 @@ async def forward_backward(request: Request) -> dict:
             body = zstandard.ZstdDecompressor().decompressobj().decompress(body)
         except zstandard.ZstdError as exc:
             raise UserError("body", f"malformed zstd body: {exc}") from exc
-    fb = proto.decode_forward_backward_request(body)
+    try:
+        fb = proto.decode_forward_backward_request(body)
+    except UserError:
+        await _skip_raw_protobuf(request, body)
+        raise
     rec = await g.model(fb.model_id, owner(request))
     require(fb.seq_id >= 1, "seq_id", "must be >= 1")
     try:
@@ -151,6 +155,17 @@ async def _skip(g, rec: dict, seq_id: int) -> None:
     """
     rid = f"{request_id_for(rec['model_id'], seq_id)}:skip"
     await g.submit("skip", rid, rec["model_id"], {"model_id": rec["model_id"], "seq_id": seq_id}, model=rec)
+
+
+async def _skip_raw_protobuf(request: Request, body: bytes) -> None:
+    """A body whose datums failed to decode may still name a run and seq_id: skip that seq_id."""
+    try:
+        msg = proto.ForwardBackwardRequest.FromString(body)
+        rec = await gw(request).model(msg.model_id, owner(request))
+    except Exception:  # noqa: BLE001 - not even the envelope parses: the gap timeout covers it
+        return
+    if msg.seq_id >= 1:
+        await _skip(gw(request), rec, msg.seq_id)
 
 
 async def _model_from_raw(request: Request):

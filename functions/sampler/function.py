@@ -35,6 +35,9 @@ class SamplerFunction:
         """cfg keys (env fallbacks): ``storage`` (OPENRL_STORAGE), ``models_dir``, ``registry``
         (OPENRL_MODEL_REGISTRY), ``device`` (OPENRL_DEVICE), ``backend`` (OPENRL_SAMPLER_BACKEND:
         auto | hf | vllm), ``preload`` (base-model names to load now)."""
+        from openrl.runtime import configure_torch_threads
+
+        configure_torch_threads()
         home = Path(os.environ.get("OPENRL_HOME", str(Path.home() / ".openrl")))
         self.storage = open_storage(cfg.get("storage") or os.environ.get("OPENRL_STORAGE", (home / "storage").as_uri()),
                                     cache_dir=home / "cache")

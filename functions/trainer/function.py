@@ -42,6 +42,9 @@ class TrainerFunction:
         ``registry`` (OPENRL_MODEL_REGISTRY), ``device`` (OPENRL_DEVICE, default cpu),
         ``gap_timeout_s`` (OPENRL_SEQ_GAP_TIMEOUT_S), ``preload`` (base-model names to load now).
         """
+        from openrl.runtime import configure_torch_threads
+
+        configure_torch_threads()
         home = Path(os.environ.get("OPENRL_HOME", str(Path.home() / ".openrl")))
         self.storage = open_storage(cfg.get("storage") or os.environ.get("OPENRL_STORAGE", (home / "storage").as_uri()))
         reg = cfg.get("registry") or os.environ.get("OPENRL_MODEL_REGISTRY")
