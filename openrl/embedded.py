@@ -99,6 +99,7 @@ class Stack:
     build: bool = True
     procs: list[subprocess.Popen] = field(default_factory=list)
     push: bool = False  # functions as HTTP receivers fed by a local dispatcher (the Knative Eventing path)
+    extra_env: dict[str, str] = field(default_factory=dict)  # e.g. STORAGE_EMULATOR_HOST
 
     @property
     def base_url(self) -> str:
@@ -116,6 +117,7 @@ class Stack:
             "OPENRL_NATS_URL": self.nats_url,
             "OPENRL_STORAGE": self.storage,
             "TINKER_TELEMETRY": "0",
+            **self.extra_env,
         }
 
     def start(self) -> "Stack":
@@ -127,6 +129,10 @@ class Stack:
             TimeoutError: a component did not come up.
         """
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        with socket.socket() as probe:
+            if probe.connect_ex((self.host, self.port)) == 0:
+                raise RuntimeError(f"{self.host}:{self.port} is already in use (another openrl serve?); "
+                                   "pick another with --port")
         self.storage = self.storage or (self.state_dir / "storage").as_uri()
         registry = ModelRegistry.load(
             Path(os.environ["OPENRL_MODEL_REGISTRY"]) if os.environ.get("OPENRL_MODEL_REGISTRY") else None,

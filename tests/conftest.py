@@ -44,16 +44,47 @@ def stack(tmp_path_factory, models_dir):
     s.stop()
 
 
+@pytest.fixture(scope="session", params=["pull-file", "push-file", "pull-gcs"])
+def sdk_stack(request, tmp_path_factory, models_dir):
+    """The SDK end-to-end suite runs once per variant:
+
+    - ``pull-file``: JetStream pull workers, ``file://`` storage (the embedded default);
+    - ``push-file``: the functions as HTTP CloudEvent receivers behind the local dispatcher
+      (the path Knative Eventing takes), ``file://`` storage;
+    - ``pull-gcs``: JetStream workers with ``gs://`` storage on a GCS emulator (the real
+      google-cloud-storage client).
+    """
+    mode, storage = request.param.split("-")
+    if mode == "pull" and storage == "file":
+        yield request.getfixturevalue("stack")
+        return
+    kw: dict = {"push": mode == "push"}
+    if storage == "gcs":
+        url = request.getfixturevalue("gcs_emulator")
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage as gcs
+
+        os.environ["STORAGE_EMULATOR_HOST"] = url
+        try:
+            gcs.Client(project="openrl-test", credentials=AnonymousCredentials()).create_bucket("openrl-e2e")
+        finally:
+            del os.environ["STORAGE_EMULATOR_HOST"]
+        kw.update(storage="gs://openrl-e2e/ckpt", extra_env={"STORAGE_EMULATOR_HOST": url})
+    s = _make_stack(tmp_path_factory, models_dir, **kw).start()
+    yield s
+    s.stop()
+
+
 @pytest.fixture(scope="session")
 def api_key() -> str:
     return "tml-test-key-one"
 
 
 @pytest.fixture(scope="session")
-def service(stack, api_key):
+def service(sdk_stack, api_key):
     import tinker
 
-    client = tinker.ServiceClient(base_url=stack.base_url, api_key=api_key)
+    client = tinker.ServiceClient(base_url=sdk_stack.base_url, api_key=api_key)
     yield client
 
 

@@ -41,6 +41,7 @@ class GatewaySettings:
     max_body_bytes: int = 64 * 1024 * 1024
     fwdbwd_max_chunk_len: int = 1024
     heartbeat_expiry_s: float = 600.0
+    k_sink: str | None = os.environ.get("K_SINK")  # Knative SinkBinding: POST request events to the Broker
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Gateway:
     settings: GatewaySettings = field(default_factory=GatewaySettings)
     waiter: FutureWaiter | None = None
     _vocab: dict[str, int] = field(default_factory=dict)
+    _http: object | None = None
 
     # ----- identity ---------------------------------------------------------------
     @staticmethod
@@ -121,8 +123,34 @@ class Gateway:
             subject_nats = sample_subject(op)
         ev = events.request_event(op, request_id, subject, data, extensions=ext)
         headers, body = events.to_headers_body(ev)
-        await self.bus.publish(subject_nats, headers, body, msg_id=request_id)
+        if self.settings.k_sink:
+            await self._post_to_sink(headers, body)
+        else:
+            await self.bus.publish(subject_nats, headers, body, msg_id=request_id)
         return True
+
+    async def _post_to_sink(self, headers: dict[str, str], body: bytes) -> None:
+        """Deliver a request event to the Knative Broker (``K_SINK``) in binary mode.
+
+        Raises:
+            ServerError: the Broker did not accept the event (the pending future is failed too).
+        """
+        import httpx
+
+        from openrl.bus import kv_key
+        from openrl.errors import ServerError
+
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=30.0)
+        try:
+            r = await self._http.post(self.settings.k_sink, headers=headers, content=body)
+            ok = r.status_code < 300
+        except httpx.HTTPError:
+            ok = False
+        if not ok:
+            # forget the pending future so that the SDK's retry publishes the request again
+            await self.bus.futures.delete(kv_key(headers.get("ce-id", "")))
+            raise ServerError("the event broker did not accept the request; retry")
 
     async def touch_model(self, model_id: str, **fields) -> None:
         """Update last_request_time (and other fields) of a training run record."""

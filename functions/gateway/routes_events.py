@@ -40,6 +40,9 @@ async def dead_letter(request: Request):
         ev = await _event(request)
     except Exception as exc:  # noqa: BLE001
         return JSONResponse({"detail": f"not a CloudEvent: {exc}"}, status_code=400)
+    if ev.get_type() == events.RESULT_TYPE:  # a result that could not reach /events/result
+        await store_result(gw(request).bus, ev)
+        return Response(status_code=202)
     failed = events.error_event(ev, f"request {ev.get_id()} could not be delivered to a worker", "server",
                                 source="/openrl/gateway")
     await store_result(gw(request).bus, failed)

@@ -23,7 +23,7 @@ import httpx
 from nats.errors import TimeoutError as NatsTimeout
 
 from openrl import events
-from openrl.bus import SAMPLE_STREAM, TRAIN_STREAM, Bus
+from openrl.bus import Bus
 
 log = logging.getLogger("openrl.dispatcher")
 
@@ -110,20 +110,24 @@ class Dispatcher:
 
 async def serve(nats_url: str, gateway: str, routes: dict[str, str]) -> None:
     bus = await Bus(nats_url).connect()
+    from openrl.worker import consumer_for
+
     ds = []
-    if "trainer" in routes:
-        ds.append(Dispatcher(bus, stream=TRAIN_STREAM, durable="push-trainer-0", filter_subject="openrl.train.0.>",
-                             target=routes["trainer"], reply_to=f"{gateway}/events/result",
-                             dead_letter=f"{gateway}/events/dead-letter"))
-    if "sampler" in routes:
-        ds.append(Dispatcher(bus, stream=SAMPLE_STREAM, durable="push-sampler", filter_subject="openrl.sample.>",
-                             target=routes["sampler"], reply_to=f"{gateway}/events/result",
+    for name, target in routes.items():
+        # the same durable consumer a JetStream worker would bind: a work-queue stream allows
+        # one consumer per subject, and either binding may serve it
+        c = consumer_for(f"functions.{name}", 0)
+        c.pop("source")
+        ds.append(Dispatcher(bus, **c, target=target, reply_to=f"{gateway}/events/result",
                              dead_letter=f"{gateway}/events/dead-letter"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tasks = [asyncio.create_task(d.run()) for d in ds]
+    for t in tasks:
+        t.add_done_callback(lambda t: t.cancelled() or t.exception() is None
+                            or log.error("dispatcher stopped: %r", t.exception()))
     print("[dispatcher] ready", flush=True)
     await stop.wait()
     for d in ds:
