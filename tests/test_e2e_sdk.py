@@ -206,7 +206,7 @@ def test_bad_inputs_get_user_errors_and_server_keeps_serving(service, seq):
         tc.forward_backward([datum([1, 2, 10**7])], "cross_entropy").result()
     bad_len = types.Datum(model_input=types.ModelInput.from_ints(seq[:5]),
                           loss_fn_inputs={"target_tokens": seq[1:4], "weights": [1.0, 1.0, 1.0]})
-    with pytest.raises(tinker.BadRequestError, match="target_tokens"):
+    with pytest.raises(tinker.BadRequestError, match="target_tokens|weights"):
         tc.forward_backward([bad_len], "cross_entropy").result()
     with pytest.raises(tinker.RequestFailedError) as ei:
         tc.forward_backward([datum(seq)], "no_such_loss").result()
