@@ -222,8 +222,11 @@ class Bus:
 
     async def meta_list(self, prefix: str) -> list[dict]:
         """All metadata records whose first key part is ``prefix``."""
+        want = kv_key(prefix) + "."
         try:
-            keys = await self.meta.keys(filters=[kv_key(prefix) + ".>"])
+            # nats-py's keys(filters=...) matches filters as plain substrings (a NATS wildcard
+            # such as "X.>" never matches), so list every key and keep the prefix here.
+            keys = [k for k in await self.meta.keys() if k.startswith(want)]
         except NotFoundError:
             return []
         except Exception as exc:  # nats-py raises NoKeysError when empty
@@ -251,14 +254,23 @@ class FutureWaiter:
     """One KV watcher per gateway replica that wakes long-polls when a future resolves.
 
     ``wait(request_id, timeout_s)`` returns the record once it is no longer pending, or
-    None after ``timeout_s`` seconds.
+    the last (pending) record, or None, after ``timeout_s`` seconds. It reads the bucket
+    once, after registering (so no update is missed); later updates come with the
+    watcher's entry, so a wake-up costs no second read. A re-read every ``recheck_s``
+    seconds covers a watcher that missed an update (e.g. across a reconnect).
     """
+
+    recheck_s = 5.0
 
     def __init__(self, bus: Bus):
         self.bus = bus
         self._waiters: dict[str, list[asyncio.Event]] = {}
+        self._latest: dict[str, bytes] = {}  # request id -> newest value seen by the watcher (waited ids only)
         self._task: asyncio.Task | None = None
         self._watcher = None
+        # callbacks (request_id, raw FutureRecord bytes) on every update, e.g. the
+        # submit → result latency of openrl.metrics.FutureTracker
+        self.listeners: list = []
 
     async def start(self) -> None:
         self._watcher = await self.bus.futures.watchall(include_history=False, ignore_deletes=True)
@@ -272,8 +284,16 @@ class FutureWaiter:
                 rid = kv_key_decode(entry.key)[0]
             except Exception:  # noqa: BLE001
                 continue
-            for ev in self._waiters.get(rid, ()):
-                ev.set()
+            evs = self._waiters.get(rid)
+            if evs:
+                self._latest[rid] = entry.value
+                for ev in evs:
+                    ev.set()
+            for fn in self.listeners:
+                try:
+                    fn(rid, entry.value)
+                except Exception:  # noqa: BLE001 - a listener never stops the watcher
+                    pass
 
     async def stop(self) -> None:
         if self._task:
@@ -284,13 +304,24 @@ class FutureWaiter:
             except Exception:  # noqa: BLE001
                 pass
 
-    async def wait(self, request_id: str, timeout_s: float) -> FutureRecord | None:
+    async def wait(self, request_id: str, timeout_s: float, check=None) -> FutureRecord | None:
+        """Wait until ``request_id`` is no longer pending, at most ``timeout_s`` seconds.
+
+        Args:
+            check: called with the first record read (None if there is none) before waiting;
+                it may raise (e.g. NotFound for another key's future) to stop at once.
+
+        Returns:
+            the answered record; or the pending record (None if there is none) at the timeout.
+        """
         deadline = time.monotonic() + timeout_s
         ev = asyncio.Event()
         self._waiters.setdefault(request_id, []).append(ev)
         try:
+            rec = await self.bus.future_get(request_id)  # after registering: no update is missed
+            if check is not None:
+                check(rec)
             while True:
-                rec = await self.bus.future_get(request_id)
                 if rec is not None and rec.state != "pending":
                     return rec
                 left = deadline - time.monotonic()
@@ -298,16 +329,19 @@ class FutureWaiter:
                     return rec
                 ev.clear()
                 try:
-                    # the watcher wakes us; a 1 s cap re-checks in case a wake-up was missed
-                    await asyncio.wait_for(ev.wait(), timeout=min(left, 1.0))
+                    await asyncio.wait_for(ev.wait(), timeout=min(left, self.recheck_s))
                 except asyncio.TimeoutError:
-                    pass
+                    rec = await self.bus.future_get(request_id)
+                    continue
+                raw = self._latest.get(request_id)
+                rec = FutureRecord.decode(raw) if raw is not None else await self.bus.future_get(request_id)
         finally:
             lst = self._waiters.get(request_id, [])
             if ev in lst:
                 lst.remove(ev)
             if not lst:
                 self._waiters.pop(request_id, None)
+                self._latest.pop(request_id, None)
 
 
 def now_iso() -> str:

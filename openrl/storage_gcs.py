@@ -16,6 +16,11 @@ manifest's sha256 before they become visible in the cache, ``<cache_dir>/<run>/<
 a download goes into a temp dir beside it and is renamed into place, so concurrent
 readers (threads, or sampler processes sharing a disk) never see half a checkpoint.
 
+Trainer run state (:meth:`GCSStorage.put_run_state`) lives under ``<prefix>/_runstate/<run>/``:
+snapshot objects are created with ``ifGenerationMatch=0`` and the ``HEAD.json`` pointer is
+swapped with ``ifGenerationMatch=<generation the writer last saw>`` (0 for the first
+write), so two trainers can never both advance the same run.
+
 Credentials: with ``STORAGE_EMULATOR_HOST`` set (tests, local emulators) the client is
 anonymous with project ``$GOOGLE_CLOUD_PROJECT`` or ``openrl-test``; otherwise it uses
 Application Default Credentials (Workload Identity on GKE).
@@ -33,7 +38,23 @@ from pathlib import Path
 from typing import Any
 
 from openrl.errors import NotFound, ServerError, UserError
-from openrl.storage import KINDS, ChecksumMismatch, CheckpointExists, Storage, TinkerPath, check_name, sha256_file
+from openrl.storage import (
+    KINDS,
+    RUNSTATE_DIR,
+    RUNSTATE_HEAD,
+    ChecksumMismatch,
+    CheckpointExists,
+    RunState,
+    RunStateConflict,
+    Storage,
+    TinkerPath,
+    check_name,
+    file_table,
+    new_snapshot_name,
+    run_state_pointer,
+    sha256_file,
+    verify_files,
+)
 
 log = logging.getLogger(__name__)
 
@@ -342,7 +363,7 @@ class GCSStorage(Storage):
         for _page in it.pages:  # prefixes fill in as pages are read
             pass
         runs = (p[len(base) :].rstrip("/") for p in it.prefixes)
-        return sorted(r for r in runs if r and not r.startswith("."))
+        return sorted(r for r in runs if r and not r.startswith(".") and r != RUNSTATE_DIR)
 
     def delete(self, path: TinkerPath) -> None:
         """Delete every object under the checkpoint's prefix, the manifest first.
@@ -364,3 +385,111 @@ class GCSStorage(Storage):
         with self._lock(path.key):
             shutil.rmtree(dest, ignore_errors=True)
             self._verified.pop(dest, None)
+
+    # ---- run state -------------------------------------------------------------------------
+
+    def _rs_prefix(self, run_id: str) -> str:
+        check_name(run_id, "model_id")
+        return self._obj(f"{RUNSTATE_DIR}/{run_id}") + "/"
+
+    def _read_head(self, run_id: str) -> tuple[dict, int] | None:
+        blob = self.bucket.blob(self._rs_prefix(run_id) + RUNSTATE_HEAD)
+        try:
+            data = blob.download_as_bytes()
+        except _gexc().NotFound:
+            return None
+        return json.loads(data), int(blob.generation or 0)
+
+    def _delete_prefix(self, prefix: str) -> None:
+        gx = _gexc()
+        for b in list(self.client.list_blobs(self.bucket_name, prefix=prefix)):
+            try:
+                self.bucket.blob(b.name).delete()
+            except gx.NotFound:
+                pass
+
+    def put_run_state(self, run_id: str, local_dir: Path, info: dict, expect: str | None) -> str:
+        gx = _gexc()
+        base = self._rs_prefix(run_id)
+        files = file_table(local_dir)
+        snap = new_snapshot_name(info.get("cursor"))
+        want = 0 if expect is None else int(expect)
+        old = self._read_head(run_id)
+        if (old[1] if old else 0) != want:
+            raise RunStateConflict(f"run state of {run_id}: pointer generation is {old[1] if old else None}, "
+                                   f"the writer expected {expect!r} (another trainer flushed or deleted it)")
+        created: list[tuple[str, int]] = []
+        ok = False
+        try:
+            for name in files:
+                obj = base + f"{snap}/{name}"
+                created.append((obj, self._upload_file(obj, Path(local_dir) / name)))
+            head = self.bucket.blob(base + RUNSTATE_HEAD)
+            body = json.dumps(run_state_pointer(run_id, snap, files, info), indent=1).encode()
+            try:
+                head.upload_from_string(body, content_type="application/json", if_generation_match=want)
+            except gx.PreconditionFailed as exc:
+                raise RunStateConflict(f"run state of {run_id}: pointer changed during the flush "
+                                       "(another trainer flushed or deleted it)") from exc
+            ok = True
+            token = str(int(head.generation))
+        finally:
+            if not ok:
+                self._cleanup(created)
+        if old and old[0].get("snapshot") and old[0]["snapshot"] != snap:
+            try:
+                self._delete_prefix(base + old[0]["snapshot"] + "/")
+            except Exception:  # noqa: BLE001 - a leftover snapshot wastes space, nothing else
+                log.warning("could not delete the old run-state snapshot of %s", run_id, exc_info=True)
+        return token
+
+    def get_run_state(self, run_id: str, *, download: bool = True) -> RunState | None:
+        base = self._rs_prefix(run_id)
+        for _attempt in range(5):
+            got = self._read_head(run_id)
+            if got is None:
+                return None
+            head, gen = got
+            if not download:
+                return RunState(None, head, str(gen))
+            snap = head["snapshot"]
+            check_name(snap, "snapshot")
+            run_cache = self.cache_dir / RUNSTATE_DIR / run_id
+            dest = run_cache / snap
+            with self._lock(f"{RUNSTATE_DIR}/{run_id}"):
+                try:
+                    if not dest.is_dir():
+                        run_cache.mkdir(parents=True, exist_ok=True)
+                        tmp = Path(tempfile.mkdtemp(dir=run_cache, prefix=".tmp-"))
+                        try:
+                            for name in head.get("files", {}):
+                                check_name(name, "file")
+                                self._download_file(base + f"{snap}/{name}", tmp / name)
+                            verify_files(tmp, head.get("files", {}), f"run state of {run_id}")
+                            os.rename(tmp, dest)
+                        finally:
+                            shutil.rmtree(tmp, ignore_errors=True)
+                    else:
+                        verify_files(dest, head.get("files", {}), f"run state of {run_id}")
+                except _gexc().NotFound:
+                    continue  # the snapshot was replaced and deleted while we read it: read the pointer again
+                except ChecksumMismatch:
+                    shutil.rmtree(dest, ignore_errors=True)
+                    if self._read_head(run_id) != got:
+                        continue
+                    raise
+                for other in run_cache.iterdir():  # older cached snapshots of this run
+                    if other.name != snap and not other.name.startswith("."):
+                        shutil.rmtree(other, ignore_errors=True)
+            return RunState(dest, head, str(gen))
+        raise ServerError(f"run state of {run_id} kept changing while it was read; retry")
+
+    def delete_run_state(self, run_id: str) -> None:
+        gx = _gexc()
+        base = self._rs_prefix(run_id)
+        try:  # the pointer first: the state stops existing
+            self.bucket.blob(base + RUNSTATE_HEAD).delete()
+        except gx.NotFound:
+            pass
+        self._delete_prefix(base)
+        shutil.rmtree(self.cache_dir / RUNSTATE_DIR / run_id, ignore_errors=True)

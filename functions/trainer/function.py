@@ -5,6 +5,11 @@ It holds one frozen base model per base-model directory (a :class:`TrainerEngine
 per training run, a LoRA adapter with its AdamW state. Requests of one run execute in
 seq_id order; ready forward(_backward) requests of several runs on the same base model
 share one pass (see :mod:`functions.trainer.scheduler`).
+
+Durability (see :mod:`functions.trainer.durable`): ``stop()`` flushes every changed run's
+adapter, optimizer state, gradients and seq_id cursor to storage, a periodic task flushes
+changed runs every ``OPENRL_FLUSH_INTERVAL_S`` seconds, and a trainer that does not hold a
+run restores it from storage on the run's first request.
 """
 
 from __future__ import annotations
@@ -13,13 +18,15 @@ import asyncio
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 from openrl import events, proto
 from openrl.errors import NotFound, UserError
 from openrl.registry import ModelRegistry
-from openrl.storage import TinkerPath, build_manifest, open_storage
+from openrl.storage import CheckpointExists, TinkerPath, build_manifest, open_storage
 
+from functions.trainer.durable import RunDurability
 from functions.trainer.scheduler import Pending, Scheduler
 
 SOURCE = "/openrl/trainer"
@@ -33,14 +40,23 @@ class TrainerFunction:
         self.run_base: dict[str, str] = {}  # model_id -> base-model dir
         self.run_meta: dict[str, dict] = {}  # model_id -> {base_model, lora_config, optimizer_config}
         self._ready = False
+        self._stopping = False
         self._lock = asyncio.Lock()  # one engine computation at a time (one device)
+        self._owners: dict[str, str] = {}  # model_id -> owner id (from the events' ``owner`` extension)
+        self.durable: RunDurability | None = None
 
     async def start(self, cfg: dict) -> None:
         """Read config, open storage, start the scheduler.
 
         cfg keys (env fallbacks): ``storage`` (OPENRL_STORAGE), ``models_dir`` (OPENRL_HOME/models),
         ``registry`` (OPENRL_MODEL_REGISTRY), ``device`` (OPENRL_DEVICE, default cpu),
-        ``gap_timeout_s`` (OPENRL_SEQ_GAP_TIMEOUT_S), ``preload`` (base-model names to load now).
+        ``gap_timeout_s`` (OPENRL_SEQ_GAP_TIMEOUT_S, seconds), ``max_seq_ahead`` (OPENRL_MAX_SEQ_AHEAD:
+        seq_ids more than this past a run's next one fail with category "user"),
+        ``preload`` (base-model names to load now),
+        ``flush_interval_s`` (OPENRL_FLUSH_INTERVAL_S), ``restore_wait_s`` (OPENRL_RESTORE_WAIT_S).
+
+        Raises:
+            ValueError: a flush / restore setting that is not a number >= 0.
         """
         from openrl.runtime import configure_torch_threads
 
@@ -54,15 +70,32 @@ class TrainerFunction:
         self.scheduler = Scheduler(
             self._run_packed, self._run_single, lambda mid: self.run_base.get(mid, ""),
             gap_timeout_s=float(cfg.get("gap_timeout_s") or os.environ.get("OPENRL_SEQ_GAP_TIMEOUT_S", "300")),
+            max_ahead=int(cfg.get("max_seq_ahead") or os.environ.get("OPENRL_MAX_SEQ_AHEAD", "10000")),
+            on_pass=self._account,
         )
+        self.durable = RunDurability.from_cfg(self, self.storage, cfg)
         self.scheduler.start()
+        self.durable.start()
         for name in cfg.get("preload", []):
             await asyncio.to_thread(self._engine_for, name)
         self._ready = True
 
     async def stop(self) -> None:
+        """Drain and flush: let the engine op in progress finish, stop the scheduler (requests
+        still queued are never answered here, so their messages are redelivered to the next
+        trainer), then flush every changed run's state to storage (``final``).
+
+        The bindings stop taking new requests and drain those in flight before calling this.
+        """
         self._ready = False
-        await self.scheduler.stop()
+        self._stopping = True
+        if self.durable is None:  # start() never ran
+            return
+        await self.durable.stop_periodic()
+        async with self._lock:  # the op in progress (if any) completes and updates its cursor first
+            await self.scheduler.stop()
+        await self.durable.wait_idle()  # creates / restores / unloads already under way
+        await self.durable.flush_all(final=True)
 
     def alive(self) -> bool:
         return True
@@ -71,13 +104,18 @@ class TrainerFunction:
         return self._ready
 
     # ----- engines ----------------------------------------------------------------
+    _engine_load_lock = threading.Lock()
+
     def _engine_for(self, base_model: str):
+        """Load (once) the engine of a base model; runs in worker threads, so concurrent first
+        requests wait for one load (two at once raced in transformers' lazy imports)."""
         from functions.trainer.engine import TrainerEngine
 
         entry = self.registry.resolve(base_model)
         key = str(entry.path)
-        if key not in self.engines:
-            self.engines[key] = TrainerEngine(Path(entry.path), device=self.device)
+        with self._engine_load_lock:
+            if key not in self.engines:
+                self.engines[key] = TrainerEngine(Path(entry.path), device=self.device)
         return key
 
     def _engine(self, model_id: str):
@@ -93,12 +131,16 @@ class TrainerFunction:
         Raises:
             UserError / NotFound: bad input (becomes a failed future, category "user").
         """
+        if self._stopping:  # never answered: the message stays unacked and goes to the next trainer
+            await asyncio.Event().wait()
         op = events.op_of(event)
         model_id = event.get_subject()
+        if event.get_extension("owner"):  # the gateway's owner id of the run's API key (usage metrics)
+            self._owners[model_id] = str(event.get_extension("owner"))
         if op == "forward_backward" or op == "forward":
             fb = proto.decode_forward_backward_request(events.data_bytes(event))
-            result = await self.scheduler.submit(model_id, fb.seq_id, op, fb)
-            return events.result_event(event, result, source=SOURCE)
+            result = await self._submit(model_id, fb.seq_id, op, fb)
+            return None if result is _APPLIED else events.result_event(event, result, source=SOURCE)
         data = events.data_json(event)
         if op == "create_model" or (op == "load_weights" and data.get("create")):
             result = await self._create(model_id, data)
@@ -106,17 +148,46 @@ class TrainerFunction:
             result = await self._unload(model_id)
         else:
             seq_id = int(data["seq_id"])
-            result = await self.scheduler.submit(model_id, seq_id, op, data)
-        if op == "skip":
-            return None  # the gateway already answered that call with a 4xx
+            result = await self._submit(model_id, seq_id, op, data)
+        if op == "skip" or result is _APPLIED:
+            return None  # skip: the gateway already answered that call with a 4xx
         return events.result_event(event, result, source=SOURCE)
 
+    async def _submit(self, model_id: str, seq_id: int, op: str, payload):
+        """Restore the run if this trainer does not hold it, then run the request in seq_id order.
+
+        Returns the result, or ``_APPLIED`` for a redelivered request that was applied before
+        (its result is already in the futures KV; nothing runs again).
+
+        Raises:
+            NotFound: the run is neither held here nor stored.
+        """
+        if model_id not in self.run_base and not await self.durable.restore(model_id, seq_id):
+            if op == "skip":
+                return None
+            raise NotFound("model_id", f"training run {model_id!r} is not loaded on this trainer")
+        q = self.scheduler.runs.get(model_id)
+        if q is not None and seq_id < q.next_seq and seq_id not in q.done:
+            return _APPLIED
+        self.durable.begin(model_id, seq_id)
+        try:
+            return await self.scheduler.submit(model_id, seq_id, op, payload)
+        finally:
+            self.durable.end(model_id, seq_id)
+
     async def _create(self, model_id: str, data: dict) -> dict:
+        async with self.durable.run_lock(model_id):
+            if model_id in self.run_base or await self.durable._restore_locked(model_id, None):
+                # a redelivered create: already applied (here, or by a trainer that flushed it)
+                if data.get("create"):
+                    return {"model_id": model_id, "path": data.get("path")}
+                return {"model_id": model_id, "type": "create_model"}
+            return await self._create_locked(model_id, data)
+
+    async def _create_locked(self, model_id: str, data: dict) -> dict:
         from openrl.lora import LoraSpec
 
         lora = data.get("lora_config") or {}
-        if model_id in self.run_base:  # a redelivered create: already applied
-            return {"model_id": model_id, "type": "create_model"}
         key = await asyncio.to_thread(self._engine_for, data["base_model"])
         engine = self.engines[key]
         spec = LoraSpec(rank=int(lora.get("rank", 32)), seed=lora.get("seed"),
@@ -139,12 +210,23 @@ class TrainerFunction:
         return {"model_id": model_id, "type": "create_model"}
 
     async def _unload(self, model_id: str) -> dict:
-        key = self.run_base.pop(model_id, None)
-        if key is not None:
-            async with self._lock:
-                await asyncio.to_thread(self.engines[key].delete_run, model_id)
-        self.scheduler.runs.pop(model_id, None)
+        async with self.durable.run_lock(model_id):
+            key = self.run_base.pop(model_id, None)
+            if key is not None:
+                async with self._lock:
+                    await asyncio.to_thread(self.engines[key].delete_run, model_id)
+            self.scheduler.runs.pop(model_id, None)
+            await self.durable.forget(model_id)  # an unloaded run is not restored
         return {"model_id": model_id, "type": "unload_model"}
+
+    def _account(self, items: list[Pending], seconds: float) -> None:
+        """Usage metrics of one scheduler pass: tokens per op and device seconds per owner."""
+        from openrl import metrics
+
+        work = [(self._owners.get(p.model_id), p.op,
+                 sum(len(d.tokens) for d in p.payload.data) if p.op in ("forward", "forward_backward") else 0)
+                for p in items]
+        metrics.record_trained(work, seconds)
 
     # ----- execution (called by the scheduler, in seq_id order) ---------------------
     async def _run_packed(self, items: list[Pending]) -> list:
@@ -178,8 +260,9 @@ class TrainerFunction:
             async with self._lock:
                 metrics = await asyncio.to_thread(engine.optim_step, p.model_id, d.get("adam_params") or {})
             return {"metrics": metrics or {}}
-        if p.op in ("save_weights", "save_weights_for_sampler"):
-            return await self._save(engine, p.model_id, d, sampler=(p.op == "save_weights_for_sampler"))
+        if p.op in ("save_weights", "save_weights_for_sampler", "save_weights_external"):
+            # external_weights: the PEFT adapter only, like a sampler snapshot (downloadable)
+            return await self._save(engine, p.model_id, d, sampler=(p.op != "save_weights"))
         if p.op == "load_weights":
             ckpt = TinkerPath.parse(d["path"])
             src = await asyncio.to_thread(self.storage.get_dir, ckpt)
@@ -203,10 +286,22 @@ class TrainerFunction:
                                              "lora_config": meta.get("lora_config"),
                                              "optimizer_config": meta.get("optimizer_config"),
                                              "seq_id": d.get("seq_id")})
-            await asyncio.to_thread(self.storage.put_dir, path, tmp, manifest)
+            try:
+                await asyncio.to_thread(self.storage.put_dir, path, tmp, manifest)
+            except CheckpointExists:
+                # a redelivered save (e.g. cut by a restart before its cursor moved) finds its own checkpoint
+                old = await asyncio.to_thread(self.storage.manifest, path)
+                if not (old and old.get("training_run_id") == model_id and old.get("seq_id") == d.get("seq_id")
+                        and d.get("seq_id") is not None):
+                    raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         out = {"path": str(path)}
+        if path.kind == "external_weights":
+            out["size_bytes"] = int(manifest.get("size_bytes") or 0)
         if d.get("sampling_session_id"):
             out["sampling_session_id"] = d["sampling_session_id"]
         return out
+
+
+_APPLIED = object()  # marker: a redelivered request below the run's cursor (already applied and answered)
