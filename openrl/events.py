@@ -34,6 +34,7 @@ TRAIN_OPS = (
     "optim_step",
     "save_weights",
     "save_weights_for_sampler",
+    "save_weights_external",
     "load_weights",
     "unload_model",
     "skip",  # a seq_id the gateway rejected at the edge: the trainer moves past it
@@ -99,6 +100,7 @@ def result_event(request: BaseCloudEvent, data: dict | bytes, *, source: str) ->
             "subject": request.get_id(),
             "datacontenttype": PROTOBUF if isinstance(data, bytes) else JSON,
             "outcome": "ok",
+            **_trace_context(),
         },
         data,
     )
@@ -113,9 +115,18 @@ def error_event(request: BaseCloudEvent, message: str, category: str, *, source:
             "subject": request.get_id(),
             "datacontenttype": JSON,
             "outcome": "error",
+            **_trace_context(),
         },
         {"error": message, "category": category},
     )
+
+
+def _trace_context() -> dict[str, str]:
+    """``traceparent`` / ``tracestate`` of the current span (the worker's ``handle`` span when a
+    function builds its result), so a result event carries its trace back; ``{}`` when tracing is off."""
+    from openrl import tracing
+
+    return tracing.carrier()
 
 
 Handler = Callable[[BaseCloudEvent], Awaitable[BaseCloudEvent | None]]

@@ -3,6 +3,10 @@
     python -m openrl.worker functions.trainer --nats nats://127.0.0.1:4222 [--shard 0]
     python -m openrl.worker functions.sampler --nats nats://127.0.0.1:4222
 
+Logs are JSON lines (:mod:`openrl.logs`); Prometheus metrics are served on
+``--metrics-port`` / ``$OPENRL_METRICS_PORT`` (0 = off, :mod:`openrl.metrics`); traces are
+exported when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (:mod:`openrl.tracing`).
+
 SIGTERM / SIGINT stop fetching, drain requests in flight (up to ``--drain-s`` seconds),
 then call the Function's ``stop()``.
 """
@@ -56,9 +60,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shard", type=int, default=0, help="trainer shard served by this process")
     ap.add_argument("--config", default="{}", help="JSON config passed to the Function's start()")
     ap.add_argument("--drain-s", type=float, default=30.0)
+    ap.add_argument("--metrics-port", type=int, default=None,
+                    help="serve Prometheus /metrics on this port (default $OPENRL_METRICS_PORT; 0 = off)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(args.module, args.nats, args.shard, json.loads(args.config), args.drain_s))
+    from openrl import logs, metrics, tracing
+
+    name = args.module.split(".")[-1]
+    logs.setup(name)
+    tracing.setup(f"openrl-{name}")
+    port = metrics.serve(args.metrics_port)
+    if port:
+        logging.getLogger("openrl.worker").info("metrics on :%d/metrics", port)
+    try:
+        asyncio.run(serve(args.module, args.nats, args.shard, json.loads(args.config), args.drain_s))
+    finally:
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,22 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args()
-    uvicorn.run(app_from_env(), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    from openrl import logs, tracing
+
+    logs.setup("gateway")
+    tracing.setup("openrl-gateway")
+    from openrl.auth import AuthConfigError
+
+    try:
+        app = app_from_env()
+    except AuthConfigError as exc:  # no API keys (or a bad key file): refuse to start, say why
+        tracing.shutdown()
+        raise SystemExit(f"openrl gateway: {exc}") from None
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,
+                    log_config=None)
+    finally:
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

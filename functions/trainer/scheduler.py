@@ -19,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from openrl import metrics
 from openrl.errors import UserError
 
 PACKABLE = ("forward", "forward_backward")
@@ -55,13 +56,21 @@ class Scheduler:
         group_of: base-model key of a run (only runs of one base model are packed).
         gap_timeout_s: how long a request may wait for a missing predecessor (seconds).
         window_s: how long to wait for more runs' requests before a pass (seconds).
+        on_pass: called after every pass with its requests and its duration (seconds), for
+            usage accounting; the packed-runs histogram is observed here.
+        max_ahead: a request of a known run whose seq_id is more than this many past the
+            run's next expected seq_id fails at once (UserError on ``seq_id``) instead of
+            being held: nothing the SDK sends gets that far ahead, and held requests cost memory.
     """
 
     def __init__(self, run_packed: Callable[[list[Pending]], Awaitable[list]], run_single: Callable[[Pending], Awaitable],
                  group_of: Callable[[str], str], *, gap_timeout_s: float = 300.0, window_s: float = 0.002,
-                 keep_done: int = 64):
+                 keep_done: int = 64, max_ahead: int = 10_000,
+                 on_pass: Callable[[list[Pending], float], None] | None = None):
         self.run_packed, self.run_single, self.group_of = run_packed, run_single, group_of
+        self.on_pass = on_pass
         self.gap_timeout_s, self.window_s, self.keep_done = gap_timeout_s, window_s, keep_done
+        self.max_ahead = max_ahead
         self.runs: dict[str, RunQueue] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -87,9 +96,14 @@ class Scheduler:
         """Wait for the run's turn, run the request, return its result.
 
         Raises:
-            UserError: the seq_id's predecessor never arrived (gap timeout), or the
-                same seq_id is already waiting with different content.
+            UserError: the seq_id's predecessor never arrived (gap timeout), the seq_id
+                is more than ``max_ahead`` past the run's next one, or the same seq_id is
+                already waiting with different content.
         """
+        known = self.runs.get(model_id)
+        if known is not None and seq_id > known.next_seq + self.max_ahead:
+            raise UserError("seq_id", f"seq_id {seq_id} is more than {self.max_ahead} ahead of the next expected "
+                            f"seq_id {known.next_seq} of {model_id}")
         q = self.queue(model_id)
         if seq_id < q.next_seq:
             if seq_id in q.done:
@@ -142,6 +156,14 @@ class Scheduler:
             else:
                 p.future.set_result(result)
 
+    def _account(self, items: list[Pending], seconds: float) -> None:
+        """Report one pass (``seconds`` of wall time, one at a time on the device) to ``on_pass``."""
+        if self.on_pass is not None:
+            try:
+                self.on_pass(items, seconds)
+            except Exception:  # noqa: BLE001 - metrics never fail a request
+                pass
+
     async def _loop(self) -> None:
         while True:
             try:
@@ -153,20 +175,26 @@ class Scheduler:
                 await asyncio.sleep(self.window_s)
             packs, singles = self._ready()
             for p in singles:
+                t0 = time.perf_counter()
                 try:
                     self._finish(p, await self.run_single(p))
                 except Exception as exc:  # noqa: BLE001 - the failure belongs to this request
                     self._finish(p, exc=exc)
+                self._account([p], time.perf_counter() - t0)
             for group in packs.values():
                 items = [p for run in group for p in run]
                 self.passes += 1
                 self.packed_runs_last = len(group)
+                metrics.PACKED_RUNS.observe(len(group))
+                t0 = time.perf_counter()
                 try:
                     results = await self.run_packed(items)
                 except Exception as exc:  # noqa: BLE001
                     for p in items:
                         self._finish(p, exc=exc)
                     continue
+                finally:
+                    self._account(items, time.perf_counter() - t0)
                 for p, r in zip(items, results):
                     if isinstance(r, BaseException):
                         self._finish(p, exc=r)

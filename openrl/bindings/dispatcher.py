@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 
 import httpx
@@ -66,6 +67,9 @@ class Dispatcher:
                 t.add_done_callback(self._tasks.discard)
 
     async def _post(self, url: str, headers: dict, body: bytes) -> httpx.Response:
+        token = os.environ.get("OPENRL_INTERNAL_TOKEN")
+        if token and url in (self.reply_to, self.dead_letter):  # the gateway's /events/* sinks (openrl/auth.py)
+            headers = {**headers, "X-OpenRL-Internal-Token": token}
         return await self.client.post(url, headers=headers, content=body)
 
     async def _deliver(self, msg) -> None:
@@ -143,7 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gateway", required=True, help="gateway base URL (result and dead-letter sinks)")
     ap.add_argument("--route", action="append", default=[], help="trainer=URL or sampler=URL")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
+    from openrl import logs
+
+    logs.setup("dispatcher")
     asyncio.run(serve(args.nats, args.gateway, dict(r.split("=", 1) for r in args.route)))
 
 

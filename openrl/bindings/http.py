@@ -6,6 +6,7 @@
   mode (``application/cloudevents+json``) and replies ``200`` with the result event in
   binary mode, which Knative Eventing sends back to the broker as the reply. A body that
   is not a CloudEvent gets ``400``.
+- ``GET /metrics``: Prometheus metrics (:mod:`openrl.metrics`).
 - ``GET /healthz/live`` and ``/healthz/ready`` are the liveness / readiness probes
   (``ready`` is false until the Function's ``start()`` has loaded its model, and again
   once draining started).
@@ -26,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from openrl import events
-from openrl.bindings import load_function
+from openrl.bindings import handle_event, load_function
 
 
 def create_app(function, cfg: dict | None = None, *, source: str = "/openrl/function") -> FastAPI:
@@ -50,6 +51,14 @@ def create_app(function, cfg: dict | None = None, *, source: str = "/openrl/func
         ok = function.ready()
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
+    @app.get("/metrics")
+    async def metrics_route():
+        """Prometheus metrics of this function (see :mod:`openrl.metrics`)."""
+        from openrl import metrics
+
+        body, ctype = metrics.exposition()
+        return Response(content=body, media_type=ctype)
+
     @app.post("/")
     async def receive(request: Request):
         body = await request.body()
@@ -57,7 +66,7 @@ def create_app(function, cfg: dict | None = None, *, source: str = "/openrl/func
             event = events.from_headers_body(dict(request.headers), body)
         except Exception as exc:  # noqa: BLE001 - anything unparsable is the sender's fault
             return JSONResponse({"detail": f"not a CloudEvent: {exc}"}, status_code=400)
-        result = await events.run_handler(function.handle, event, source=source)
+        result = await handle_event(function, event, source=source)
         if result is None:
             return Response(status_code=202)
         headers, out = events.to_headers_body(result)
@@ -76,8 +85,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config", default="{}", help="JSON config for the Function's start()")
     args = ap.parse_args(argv)
     source = f"/openrl/{args.module.split('.')[-1]}"
+    from openrl import logs, tracing
+
+    logs.setup(args.module.split(".")[-1])
+    tracing.setup(f"openrl-{args.module.split('.')[-1]}")
     app = create_app(load_function(args.module), json.loads(args.config), source=source)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=60)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=60,
+                    log_config=None)
+    finally:
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

@@ -15,18 +15,33 @@ import logging
 
 from nats.errors import TimeoutError as NatsTimeout
 
-from openrl import events
+from openrl import events, tracing
+from openrl.bindings import handle_event
 from openrl.bus import Bus, FutureRecord
 
 log = logging.getLogger("openrl.jetstream")
 
 
 async def store_result(bus: Bus, result) -> None:
-    """Write a result event into ``OPENRL_FUTURES`` under the request id (its subject)."""
+    """Write a result event into ``OPENRL_FUTURES`` under the request id (its subject).
+
+    Traced as ``store result`` continuing the result event's ``traceparent`` (the worker's
+    span), so a result pushed to the gateway's ``/events/result`` joins the request's trace.
+    """
+    with tracing.span("store result", kind="producer", parent=tracing.event_carrier(result),
+                      attributes={"cloudevents.event_subject": result.get_subject() or "",
+                                  "openrl.outcome": result.get_extension("outcome") or "ok"}):
+        await _store_result(bus, result)
+
+
+async def _store_result(bus: Bus, result) -> None:
+    # keep the pending record's meta: its "owner" is what lets only the caller's key read the result
+    old = await bus.future_get(result.get_subject())
     rec = FutureRecord(
         state="ok" if result.get_extension("outcome") != "error" else "error",
         content_type=result.get_datacontenttype() or events.JSON,
         body=events.data_bytes(result),
+        meta=old.meta if old is not None else None,
     )
     await bus.future_put(result.get_subject(), rec)
 
@@ -85,9 +100,8 @@ class JetStreamWorker:
                 log.error("dropping a message that is not a CloudEvent: %s", exc)
                 await msg.term()
                 return
-            result = await events.run_handler(self.function.handle, event, source=self.source)
-            if result is not None:
-                await store_result(self.bus, result)
+            await handle_event(self.function, event, source=self.source,
+                               deliver=lambda result: store_result(self.bus, result))
             await msg.ack()
         except Exception:  # noqa: BLE001
             log.exception("request failed in the binding; it will be redelivered")

@@ -1,0 +1,103 @@
+"""What the service is doing: ``GET /metrics`` (Prometheus) and ``GET /api/v1/status``.
+
+``/metrics`` is open (like ``healthz``: scrapers carry no API key; per-key series are
+labelled by owner id, never by key). It reads the JetStream queue depths at scrape time.
+
+``/api/v1/status`` (any valid API key) answers::
+
+    {"gateway": {"time", "futures_in_flight"},
+     "queues":  [{"stream", "messages", "bytes"}],
+     "workers": [{"function", "shard", "stream", "consumer", "state", "num_pending",
+                  "num_ack_pending", "num_waiting", "num_redelivered", "last_active", "idle_s"}]}
+
+A worker kind is a durable JetStream consumer (``trainer-<shard>``, ``sampler``); its
+``state`` says whether someone is pulling (``polling``), requests run (``busy``), work
+waits with nobody pulling (``backlog``: no live worker) or nothing happens (``idle``).
+See :func:`openrl.metrics.queue_status`.
+
+:func:`install` adds the request metrics / trace middleware and these routes to the app.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
+
+from functions.gateway.deps import gw, owner
+from openrl import metrics
+from openrl.bus import now_iso
+
+router = APIRouter()
+
+
+@router.get("/metrics")
+async def prometheus_metrics(request: Request) -> Response:
+    """Prometheus text exposition; queue gauges are refreshed from JetStream first."""
+    try:
+        await metrics.refresh_queue_gauges(gw(request).bus)
+    except Exception:  # noqa: BLE001 - NATS down: still serve the process metrics
+        pass
+    body, ctype = metrics.exposition()
+    return Response(content=body, media_type=ctype)
+
+
+def _function_of(consumer: str) -> tuple[str, int | None]:
+    name, _, shard = consumer.partition("-")
+    return name, (int(shard) if shard.isdigit() else None)
+
+
+@router.get("/api/v1/status")
+async def status(request: Request) -> dict:
+    """Workers (JetStream consumers) and queues; see the module doc for the shape."""
+    owner(request)  # the caller has a valid key (checked by the gateway's edge middleware)
+    streams = await metrics.refresh_queue_gauges(gw(request).bus)
+    workers = []
+    for s in streams:
+        for c in s["consumers"]:
+            fn, shard = _function_of(c["consumer"])
+            workers.append({"function": fn, "shard": shard, "stream": s["stream"], **c})
+    return {
+        "gateway": {"time": now_iso(), "futures_in_flight": len(metrics.FUTURES)},
+        "queues": [{"stream": s["stream"], "messages": s["messages"], "bytes": s["bytes"]} for s in streams],
+        "workers": workers,
+    }
+
+
+class ObserveMiddleware:
+    """Pure ASGI middleware: per-request metrics (route template, method, status) and the
+    method / path on every log record of the request. (The HTTP server trace span comes from
+    FastAPI's built-in OpenTelemetry support, which uses the provider :mod:`openrl.tracing`
+    installs.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from openrl import logs
+
+        method = scope.get("method", "GET")
+        status = {"code": 500}
+
+        async def send_wrapped(message):
+            if message.get("type") == "http.response.start":
+                status["code"] = message.get("status", 500)
+            await send(message)
+
+        t0 = time.perf_counter()
+        with logs.context(http_method=method, http_path=scope.get("path", "")):
+            try:
+                await self.app(scope, receive, send_wrapped)
+            finally:
+                route = getattr(scope.get("route"), "path", None) or "unmatched"
+                metrics.GATEWAY_REQUESTS.labels(route, method, str(status["code"])).inc()
+                metrics.GATEWAY_REQUEST_SECONDS.labels(route, method).observe(time.perf_counter() - t0)
+
+
+def install(app: FastAPI) -> None:
+    """Add the observe middleware (outermost: call after the other middlewares) and the routes."""
+    app.include_router(router)
+    app.add_middleware(ObserveMiddleware)

@@ -1,0 +1,232 @@
+"""``openrl status``, ``openrl runs list``, ``openrl checkpoints list RUN``: what the service is doing.
+
+They talk to a gateway's REST routes only (never to NATS or storage), so they work
+against any deployment:
+
+| command | routes |
+|---|---|
+| ``openrl status`` | ``GET /api/v1/status`` (workers, queues), ``GET /api/v1/training_runs``, ``GET /api/v1/sessions`` |
+| ``openrl runs list`` | ``GET /api/v1/training_runs`` |
+| ``openrl checkpoints list RUN`` | ``GET /api/v1/training_runs/{RUN}/checkpoints`` |
+
+Flags: ``--base-url`` (default ``$TINKER_BASE_URL``, else the gateway in
+``<state>/ports.json`` of a running ``openrl serve``, else ``http://127.0.0.1:8000``),
+``--api-key`` (default ``$TINKER_API_KEY``, else ``<state>/api_key``), ``--json`` (the raw
+answers instead of tables). Runs and checkpoints are those of the API key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import httpx
+
+TIMEOUT_S = 15.0
+
+
+class GatewayError(Exception):
+    """The gateway could not be reached or answered an error (message is for the user)."""
+
+
+def _base_url(args: argparse.Namespace) -> str:
+    if args.base_url:
+        return args.base_url.rstrip("/")
+    if os.environ.get("TINKER_BASE_URL"):
+        return os.environ["TINKER_BASE_URL"].rstrip("/")
+    ports = Path(args.state_dir) / "ports.json"
+    if ports.exists():
+        try:
+            return json.loads(ports.read_text())["gateway"].rstrip("/")
+        except (ValueError, KeyError):
+            pass
+    return "http://127.0.0.1:8000"
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key:
+        return args.api_key
+    if os.environ.get("TINKER_API_KEY"):
+        return os.environ["TINKER_API_KEY"]
+    f = Path(args.state_dir) / "api_key"
+    return f.read_text().strip() if f.exists() else None
+
+
+class Client:
+    """A small REST client of the gateway (``X-API-Key`` auth).
+
+    Raises (from :meth:`get`):
+        GatewayError: connection refused / timeout, or an HTTP error status (the gateway's
+            ``detail`` is in the message).
+    """
+
+    def __init__(self, base_url: str, api_key: str | None):
+        self.base_url = base_url
+        self.http = httpx.Client(base_url=base_url, timeout=TIMEOUT_S,
+                                 headers={"X-API-Key": api_key} if api_key else {})
+
+    def get(self, path: str, **params) -> dict:
+        try:
+            r = self.http.get(path, params=params or None)
+        except httpx.HTTPError as exc:
+            raise GatewayError(f"cannot reach the gateway at {self.base_url}: {exc}") from exc
+        if r.status_code >= 400:
+            try:
+                detail = r.json().get("detail")
+            except ValueError:
+                detail = r.text[:200]
+            hint = " (pass --api-key or set TINKER_API_KEY)" if r.status_code == 401 else ""
+            raise GatewayError(f"GET {path}: HTTP {r.status_code}: {detail}{hint}")
+        return r.json()
+
+
+def _client(args) -> Client:
+    return Client(_base_url(args), _api_key(args))
+
+
+def _console():
+    from rich.console import Console
+
+    # no emoji codes (run ids contain ":train:") and no markup in data
+    return Console(soft_wrap=False, emoji=False, highlight=False)
+
+
+def _table(title: str, columns: list[str], rows: list[list], *, fold: tuple[str, ...] = ()):
+    from rich.markup import escape
+    from rich.table import Table
+
+    cells = [["-" if v is None or v == "" else escape(str(v)) for v in r] for r in rows]
+    t = Table(title=escape(title), title_justify="left", header_style="bold")
+    for c in columns:
+        if c in fold:  # ids stay on one line; other columns wrap around them
+            t.add_column(c, overflow="fold", no_wrap=True)
+        else:
+            t.add_column(c, overflow="fold")
+    for r in cells:
+        t.add_row(*r)
+    return t
+
+
+def _size(n) -> str | None:
+    if n is None:
+        return None
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _when(iso: str | None) -> str | None:
+    """``2026-11-30T08:14:41.353Z`` → ``2026-11-30 08:14:41`` (UTC)."""
+    return iso.replace("T", " ").rstrip("Z").split(".")[0] if iso else iso
+
+
+def _run_rows(runs: list[dict]) -> list[list]:
+    return [[r["training_run_id"], r.get("base_model"), r.get("lora_rank"), _when(r.get("last_request_time")),
+             (r.get("last_checkpoint") or {}).get("checkpoint_id"),
+             (r.get("last_sampler_checkpoint") or {}).get("checkpoint_id")] for r in runs]
+
+
+RUN_COLUMNS = ["run", "base model", "rank", "last request", "last checkpoint", "last sampler ckpt"]
+
+
+# -- handlers ---------------------------------------------------------------------------------
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """``openrl status``: workers and queues (``/api/v1/status``), the key's runs and sessions."""
+    c = _client(args)
+    status = c.get("/api/v1/status")
+    runs = c.get("/api/v1/training_runs", limit=args.limit, offset=0)
+    sessions = c.get("/api/v1/sessions", limit=10_000, offset=0)
+    if args.json:
+        print(json.dumps({"base_url": c.base_url, **status, "training_runs": runs, "sessions": sessions}, indent=2))
+        return 0
+    con = _console()
+    gw = status.get("gateway", {})
+    total_runs = (runs.get("cursor") or {}).get("total_count", len(runs.get("training_runs", [])))
+    con.print(f"[bold]openrl[/bold] at {c.base_url}: gateway up, {gw.get('futures_in_flight', 0)} futures in "
+              f"flight on this replica, {total_runs} training runs and {len(sessions.get('sessions', []))} "
+              f"sessions for this key ({gw.get('time')})")
+    con.print(_table("Workers (JetStream consumers)",
+                     ["function", "shard", "state", "queued", "running", "pulls", "redelivered", "idle s"],
+                     [[w["function"], w.get("shard"), w["state"], w["num_pending"], w["num_ack_pending"],
+                       w["num_waiting"], w["num_redelivered"], w.get("idle_s")] for w in status.get("workers", [])]))
+    con.print(_table("Queues", ["stream", "messages", "size"],
+                     [[q["stream"], q["messages"], _size(q.get("bytes"))] for q in status.get("queues", [])]))
+    con.print(_table(f"Training runs (latest {args.limit})", RUN_COLUMNS, _run_rows(runs.get("training_runs", [])),
+                     fold=("run",)))
+    return 0
+
+
+def cmd_runs_list(args: argparse.Namespace) -> int:
+    """``openrl runs list``: the key's training runs, newest first."""
+    out = _client(args).get("/api/v1/training_runs", limit=args.limit, offset=args.offset)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    runs = out.get("training_runs", [])
+    total = (out.get("cursor") or {}).get("total_count", len(runs))
+    _console().print(_table(f"Training runs ({len(runs)} of {total})", RUN_COLUMNS, _run_rows(runs), fold=("run",)))
+    return 0
+
+
+def cmd_checkpoints_list(args: argparse.Namespace) -> int:
+    """``openrl checkpoints list RUN``: a run's checkpoints, newest first."""
+    from urllib.parse import quote
+
+    out = _client(args).get(f"/api/v1/training_runs/{quote(args.run, safe=':')}/checkpoints")
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    cks = out.get("checkpoints", [])
+    rows = [[k["checkpoint_id"], k.get("checkpoint_type"), _when(k.get("time")), _size(k.get("size_bytes")),
+             "yes" if k.get("public") else "no", _when(k.get("expires_at"))] for k in cks]
+    con = _console()
+    con.print(_table(f"Checkpoints of {args.run} ({len(cks)})",
+                     ["checkpoint", "type", "time", "size", "public", "expires"], rows, fold=("checkpoint",)))
+    con.print(f"tinker path: tinker://{args.run}/<checkpoint>")
+    return 0
+
+
+def _guard(fn):
+    def run(args):
+        try:
+            return fn(args)
+        except GatewayError as exc:
+            print(f"openrl {args.command}: error: {exc}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+# -- parsers ----------------------------------------------------------------------------------
+
+
+def configure(sub, common: argparse.ArgumentParser) -> None:
+    """Add ``status``, ``runs`` and ``checkpoints`` to the ``openrl`` parser (see :func:`openrl.cli.command`)."""
+    conn = argparse.ArgumentParser(add_help=False)
+    conn.add_argument("--base-url", default=None,
+                      help="gateway URL (default $TINKER_BASE_URL, <state>/ports.json, http://127.0.0.1:8000)")
+    conn.add_argument("--api-key", default=None, help="API key (default $TINKER_API_KEY or <state>/api_key)")
+    conn.add_argument("--json", action="store_true", help="print the gateway's JSON instead of tables")
+
+    p = sub.add_parser("status", parents=[common, conn], help="workers, queues, runs and sessions of a gateway")
+    p.add_argument("--limit", type=int, default=5, help="training runs shown (default 5)")
+    p.set_defaults(func=_guard(cmd_status))
+
+    r = sub.add_parser("runs", parents=[common], help="training runs of your API key")
+    rsub = r.add_subparsers(dest="runs_command", metavar="{list}", required=True)
+    rl = rsub.add_parser("list", parents=[common, conn], help="list training runs, newest first")
+    rl.add_argument("--limit", type=int, default=20)
+    rl.add_argument("--offset", type=int, default=0)
+    rl.set_defaults(func=_guard(cmd_runs_list))
+
+    k = sub.add_parser("checkpoints", parents=[common], help="checkpoints of a training run")
+    ksub = k.add_subparsers(dest="checkpoints_command", metavar="{list}", required=True)
+    kl = ksub.add_parser("list", parents=[common, conn], help="list a run's checkpoints, newest first")
+    kl.add_argument("run", help="training run id (see openrl runs list)")
+    kl.set_defaults(func=_guard(cmd_checkpoints_list))
