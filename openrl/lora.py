@@ -17,9 +17,10 @@ Conventions
   state lives in float32 too). The delta is computed in the layer input's dtype (bf16 for a
   bf16 base, as PEFT does), the weights cast on the fly; gradients reach the float32 params.
 * Rows of one adapter that are contiguous in the batch are handled with slices (no
-  gather/scatter), and several adapters' deltas are computed as one stacked, row-masked
-  pair of matmuls (see :data:`MULTI_ADAPTER_MODE`); the trainer orders rows by adapter.
-  Any row order works (index_select / index_add fallback), just slower.
+  gather/scatter), and several adapters' deltas are computed as one pair of grouped GEMMs
+  (CUDA) or one stacked, row-masked pair of matmuls (see :data:`MULTI_ADAPTER_MODE`); the
+  trainer orders rows by adapter. Any row order works (index_select / index_add fallback),
+  just slower.
 * Initialisation follows PEFT's default (``init_lora_weights=True``): ``A`` is
   kaiming-uniform with ``a=sqrt(5)`` (i.e. U(-1/sqrt(in), 1/sqrt(in))), ``B`` is zero, so
   a fresh adapter leaves the model unchanged. ``A`` is drawn from a CPU
@@ -165,6 +166,14 @@ class _Routing:
         self.names = list(dict.fromkeys(n for n in self.row_names if n is not None))  # first-seen order
         self._masks: dict[tuple, Tensor] = {}
 
+    def cached(self, key: tuple, make) -> Tensor:
+        """A small per-routing tensor (offsets, scale columns) built once by ``make()``."""
+        t = self._masks.get(key)
+        if t is None:
+            t = make()
+            self._masks[key] = t
+        return t
+
     def mask(self, names: Sequence[str], ranks: Sequence[int], scales: Sequence[float],
              dtype: torch.dtype, device: torch.device, rows: tuple[int, int]) -> Tensor:
         """[end - start, sum(ranks)] matrix for batch rows [start, end): ``scales[g]`` on
@@ -197,22 +206,97 @@ class _Router:
 #: How a layer applies several adapters in one batch. "stacked": one pair of matmuls over
 #: the concatenated adapters with each row masked to its own adapter's columns (a fixed
 #: handful of kernels, but every row pays the summed rank in FLOPs). "loop": one delta per
-#: adapter on its rows (kernel-launch bound on GPU). "auto": consecutive adapters (rows are
-#: grouped by adapter) are stacked in blocks of summed rank <= STACKED_MAX_RANK_SUM.
-#: Measured on one H200 (Qwen3-4B shapes, bf16, rank 32, 8192 tokens per forward_backward
-#: pass): 4 runs: loop 788 ms, stacked/auto 577 ms; 8 runs: 1158 / 622 ms; 16 runs: 1786 /
-#: 715 ms; one adapter over the same tokens: 550 ms; the same work as one pass per run:
-#: 912 / 1467 / 3043 ms.
+#: adapter on its rows (kernel-launch bound on GPU). "grouped": per-adapter products; when
+#: every adapter's rows are contiguous (the trainer orders them so), one grouped GEMM per side
+#: (``torch._grouped_mm``: each row block times its own adapter's weights, ranks
+#: zero-padded to the largest), so a row pays only its own rank in FLOPs and the kernel
+#: count does not grow with the number of adapters; falls back to "stacked" blocks where
+#: ``torch._grouped_mm`` is missing or fails its one-time self-check on the device/dtype.
+#: "auto": "grouped" on CUDA when the self-check passes, else consecutive adapters stacked in
+#: blocks of summed rank <= STACKED_MAX_RANK_SUM.
+#: Measured before "grouped" existed, on one H200 (Qwen3-4B shapes, bf16, rank 32, 8192
+#: tokens per forward_backward pass): 4 runs: loop 788 ms, stacked/auto 577 ms; 8 runs:
+#: 1158 / 622 ms; 16 runs: 1786 / 715 ms; one adapter over the same tokens: 550 ms; the same
+#: work as one pass per run: 912 / 1467 / 3043 ms. With "grouped", docs/benchmarks.md.
 MULTI_ADAPTER_MODE = "auto"
 STACKED_MAX_RANK_SUM = 512
 
 
 def _rank_cap() -> float:
-    if MULTI_ADAPTER_MODE == "loop":
+    """Most summed rank stacked into one masked pair of matmuls (interleaved rows, and
+    contiguous rows when the grouped path is not used)."""
+    if MULTI_ADAPTER_MODE in ("loop", "grouped"):  # "grouped": per-adapter products throughout
         return 0
     if MULTI_ADAPTER_MODE == "stacked":
         return math.inf
     return STACKED_MAX_RANK_SUM
+
+
+#: (device type, dtype) -> None (unusable) or "any" / "aligned" (group sizes must be
+#: multiples of 16 rows): the result of :func:`_probe_grouped_mm`, computed once.
+_GROUPED_MM_SUPPORT: dict[tuple[str, torch.dtype], str | None] = {}
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Check ``torch._grouped_mm`` (forward and backward) on ``device``/``dtype`` against a
+    float32 per-group reference, once for 16-aligned and once for unaligned group sizes.
+
+    Returns "any" (both pass), "aligned" (only 16-row-aligned groups pass) or None. Never
+    raises: a missing op, an unsupported dtype/architecture or a wrong result gives None.
+    """
+    if not hasattr(torch, "_grouped_mm"):
+        return None
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    ok: list[bool] = []
+    for sizes in ([16, 0, 32], [5, 0, 11]):
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                g = torch.Generator(device="cpu").manual_seed(1234)
+                M, K, R, N = sum(sizes), 64, 16, 48
+                x0 = torch.randn(M, K, generator=g)
+                A0 = torch.randn(3, R, K, generator=g) / 8
+                B0 = torch.randn(3, N, R, generator=g) / 4
+                w = torch.randn(M, N, generator=g)
+                x, A, B = (t.to(device=device, dtype=dtype).detach().clone().requires_grad_() for t in (x0, A0, B0))
+                offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(device=device, dtype=torch.int32)
+                h = torch._grouped_mm(x, A.transpose(1, 2), offs=offs)
+                y = torch._grouped_mm(h, B.transpose(1, 2), offs=offs)
+                (y.float() * w.to(device)).sum().backward()
+                xr, Ar, Br = (t.detach().clone().double().requires_grad_() for t in (x0, A0, B0))
+                ys, s = [], 0
+                for i, n in enumerate(sizes):
+                    ys.append((xr[s : s + n] @ Ar[i].t()) @ Br[i].t())
+                    s += n
+                yr = torch.cat(ys)
+                (yr * w.double()).sum().backward()
+
+                def rel(a: Tensor, b: Tensor) -> float:
+                    return float((a.double().cpu() - b).norm() / b.norm().clamp_min(1e-30))
+
+                errs = [rel(y.detach(), yr.detach()), rel(x.grad, xr.grad), rel(A.grad, Ar.grad), rel(B.grad, Br.grad)]
+                ok.append(all(e < tol for e in errs))
+        except Exception:  # unsupported here: fall back to the stacked path
+            ok.append(False)
+    if ok[0] and ok[1]:
+        return "any"
+    return "aligned" if ok[0] else None
+
+
+def grouped_mm_support(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Cached :func:`_probe_grouped_mm` result for ``(device.type, dtype)``."""
+    key = (torch.device(device).type, dtype)
+    if key not in _GROUPED_MM_SUPPORT:
+        _GROUPED_MM_SUPPORT[key] = _probe_grouped_mm(torch.device(device), dtype)
+    return _GROUPED_MM_SUPPORT[key]
+
+
+def _use_grouped(x: Tensor) -> bool:
+    """Whether this layer call may use the grouped path (mode and self-check)."""
+    if MULTI_ADAPTER_MODE == "grouped":
+        return grouped_mm_support(x.device, x.dtype) is not None
+    if MULTI_ADAPTER_MODE == "auto" and x.is_cuda:
+        return grouped_mm_support(x.device, x.dtype) is not None
+    return False
 
 
 class MultiLoRALinear(nn.Module):
@@ -268,7 +352,13 @@ class MultiLoRALinear(nn.Module):
         present = [n for n in routing.names if n in self.lora_A]
         if not present:
             return out
-        cap = _rank_cap()
+        grouped = routing.segments is not None and len(present) > 1 and _use_grouped(x)
+        if grouped:
+            cap = math.inf
+        elif MULTI_ADAPTER_MODE == "grouped" and routing.segments is not None:  # grouped_mm unusable: stacked blocks
+            cap = STACKED_MAX_RANK_SUM
+        else:
+            cap = _rank_cap()
         if routing.segments is not None:
             # Rows of each adapter are contiguous. Consecutive adapters are grouped into blocks
             # of summed rank <= cap; each block works on its slice of rows (views): a single
@@ -287,6 +377,8 @@ class MultiLoRALinear(nn.Module):
                 names = [n for _, _, n in block]
                 if len(names) == 1:
                     d = self._delta(names[0], xs, names[0] in routing.detached)
+                elif grouped and self._grouped_fits(xs, block):
+                    d = self._grouped_delta(xs, block, routing)
                 else:
                     d = self._stacked_delta(xs, names, routing, (s0, e1))
                 parts.append(os + d.to(out.dtype))
@@ -333,6 +425,70 @@ class MultiLoRALinear(nn.Module):
         h = x @ A_cat.t()  # [B, ..., R]
         h = h * m.view(m.shape[0], *([1] * (x.dim() - 2)), m.shape[1])
         return h @ B_cat.t()
+
+    def _grouped_fits(self, xs: Tensor, block: list[tuple[int, int, str]]) -> bool:
+        """Layout conditions of ``torch._grouped_mm`` for this block: 16-byte aligned row
+        strides on CUDA (in/out features multiples of 8 for bf16) and, where the self-check
+        said so, group sizes (rows x tokens per row) that are multiples of 16."""
+        if xs.is_cuda and (self.in_features % 8 or self.out_features % 8):
+            return False
+        if grouped_mm_support(xs.device, xs.dtype) == "aligned":
+            per_row = xs[0].numel() // xs.shape[-1] if xs.shape[0] else 0
+            return all(((e - s) * per_row) % 16 == 0 for s, e, _ in block)
+        return True
+
+    def _grouped_delta(self, xs: Tensor, block: list[tuple[int, int, str]], routing: _Routing) -> Tensor:
+        """LoRA deltas of several adapters whose rows are contiguous, with two grouped GEMMs.
+
+        ``xs`` [n, ..., in] holds exactly the block's rows; ``block`` lists
+        ``(start, end, name)`` segments tiling them in order. With X_g the tokens of adapter g
+        (flattened to [M_g, in]) and ranks zero-padded to r = max rank (rounded up to 8)::
+
+            delta[X_g] = ((X_g @ A_g^T) * (alpha_g / r_g)) @ B_g^T
+
+        computed as ``h = grouped_mm(X, A^T, offs)`` [M, r], ``h *= scale`` (a scalar, or a
+        per-token [M, 1] column when the adapters' scales differ),
+        ``grouped_mm(h, B^T, offs)`` [M, out]; the same formula as :meth:`_delta` per
+        adapter (padded rank columns are exactly zero and get no gradient). Returns
+        [n, ..., out] in xs's dtype.
+        """
+        names = [n for _, _, n in block]
+        ranks = [self.lora_A[n].shape[0] for n in names]
+        r = -(-max(ranks) // 8) * 8
+        As, Bs = [], []
+        for n, rk in zip(names, ranks):
+            A, B = self.lora_A[n], self.lora_B[n]
+            if n in routing.detached:
+                A, B = A.detach(), B.detach()
+            if rk != r:
+                A = torch.nn.functional.pad(A, (0, 0, 0, r - rk))  # [r, in]
+                B = torch.nn.functional.pad(B, (0, r - rk))  # [out, r]
+            As.append(A)
+            Bs.append(B)
+        A3 = torch.stack(As).to(xs.dtype)  # [G, r, in]: one stack, one cast (few kernels)
+        B3 = torch.stack(Bs).to(xs.dtype)  # [G, out, r]
+        lead = xs.shape[:-1]
+        x2 = xs.reshape(-1, xs.shape[-1])
+        per_row = x2.shape[0] // xs.shape[0] if xs.shape[0] else 0
+        s0 = block[0][0]
+        offs = routing.cached(
+            ("offs", tuple((s, e) for s, e, _ in block), per_row, xs.device),
+            lambda: torch.tensor([(e - s0) * per_row for _, e, _ in block], dtype=torch.int32).to(xs.device),
+        )
+        h = torch._grouped_mm(x2, A3.transpose(1, 2), offs=offs)  # [M, r]
+        scales = [self.scaling[n] for n in names]
+        if len(set(scales)) == 1:
+            h = h * scales[0]
+        else:
+            col = routing.cached(
+                ("scale", tuple((s, e) for s, e, _ in block), tuple(scales), per_row, xs.dtype, xs.device),
+                lambda: torch.cat(
+                    [torch.full(((e - s) * per_row, 1), sc, dtype=torch.float32) for (s, e, _), sc in zip(block, scales)]
+                ).to(device=xs.device, dtype=xs.dtype),
+            )
+            h = h * col
+        d = torch._grouped_mm(h, B3.transpose(1, 2), offs=offs)  # [M, out]
+        return d.view(*lead, d.shape[-1])
 
     def extra_repr(self) -> str:
         return f"adapters={sorted(self.lora_A)}"

@@ -42,10 +42,12 @@ def model_dir(tmp_path_factory):
     return d
 
 
-@pytest.fixture(params=["stacked", "loop", "blocks"])
+@pytest.fixture(params=["stacked", "loop", "blocks", "grouped"])
 def mode(request, monkeypatch):
     """Every way a layer applies several adapters (see openrl.lora.MULTI_ADAPTER_MODE);
-    "blocks" = auto with a rank cap of 10, so r4+r2 stack and r8 runs alone."""
+    "blocks" = auto with a rank cap of 10, so r4+r2 stack and r8 runs alone (on CPU "auto"
+    never groups); "grouped" = torch._grouped_mm where the CPU build has it (else it falls
+    back to stacked)."""
     import openrl.lora
 
     if request.param == "blocks":
@@ -279,3 +281,73 @@ def test_peft_round_trip_partial_targets(model_dir, tmp_path):
     cfg = json.loads((tmp_path / "adapter_config.json").read_text())
     assert sorted(cfg["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"])
     assert cfg["r"] == 2 and cfg["lora_alpha"] == 32 and cfg["peft_type"] == "LORA"
+
+
+def test_fused_logprob_head_matches_checkpointed(model_dir, monkeypatch):
+    """The fused vocabulary projection (gradient precomputed in the forward; used when the
+    unembedding has no LoRA and there is one target per position) gives the logprobs and
+    adapter gradients of the checkpointed two-pass path, on a right-padded batch (run with
+    no attention mask) and a left-padded one (masked)."""
+    import openrl.numerics as nm
+
+    rng = np.random.RandomState(11)
+    seqs = [list(_seq(rng, n)) for n in (9, 6, 11)]
+    names = ["a", "b", "a"]
+
+    def run(fused: bool, side: str):
+        monkeypatch.setattr(nm, "FUSED_LOGPROB", fused)
+        e = TrainerEngine(model_dir)
+        for i, n in enumerate(("a", "b")):
+            e.create_run(n, LoraSpec(rank=4, seed=i, train_unembed=False))
+            g = torch.Generator().manual_seed(i)
+            with torch.no_grad():
+                for p in e.model.adapter_parameters(n):
+                    p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        ids, mask = pad_batch(seqs, 0, side=side)
+        lp = target_logprobs(e.model, ids, ids.roll(-1, 1), mask, names, chunk_tokens=7)
+        w = torch.linspace(-1, 2, lp.numel()).view_as(lp)
+        (lp * w).sum().backward()
+        return lp.detach(), {n: _grads(e, n) for n in ("a", "b")}
+
+    for side in ("right", "left"):
+        lp_ref, g_ref = run(False, side)
+        lp_f, g_f = run(True, side)
+        torch.testing.assert_close(lp_f, lp_ref, atol=1e-5, rtol=1e-5)
+        for n in g_ref:
+            _assert_grads_equal(g_f[n], g_ref[n])
+
+
+def test_fused_logprob_function_softcap_gradcheck():
+    """_FusedTargetLogprob against autograd through log_softmax, float64, with a softcap."""
+    from openrl.numerics import _FusedTargetLogprob
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(7, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(11, 5, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 11, (7,), generator=g)
+    for cap in (None, 3.0):
+        lp = _FusedTargetLogprob.apply(h, W, t, 3, cap)
+        z = h @ W.t()
+        if cap:
+            z = torch.tanh(z / cap) * cap
+        ref = torch.log_softmax(z, -1).gather(-1, t[:, None])[:, 0]
+        torch.testing.assert_close(lp.double(), ref)
+        w = torch.randn(7, generator=g, dtype=torch.float64)
+        (ga,) = torch.autograd.grad((lp * w).sum(), h)
+        (gb,) = torch.autograd.grad((ref * w).sum(), h)
+        torch.testing.assert_close(ga, gb, atol=1e-6, rtol=1e-5)  # lp is float32: so is dL/dlp
+
+
+def test_accelerate_model_leaves_cpu_numerics_alone(model_dir):
+    """accelerate_model patches norms / MLPs / rotary for CUDA tensors only: on CPU the
+    logits are bit-identical."""
+    from openrl.numerics import accelerate_model
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        status = accelerate_model(base, compile=False)
+        after = base(input_ids=ids).logits
+    assert "2 mlps" in status["patched"] and status["rms_norm"] in ("eager", "compiled")
+    assert torch.equal(before, after)

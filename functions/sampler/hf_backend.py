@@ -369,7 +369,7 @@ class HFBackend:
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             position_ids=pos.to(self.device),
-            cache=cache,
+            past_key_values=cache,
             use_cache=True,
         )
         return out.last_hidden_state, cache

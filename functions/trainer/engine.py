@@ -16,12 +16,20 @@ adapter is used detached when no other item of the same run needs a gradient).
 Ordering is the caller's job: pass items that may run together (for one run: requests in
 ``seq_id`` order, never across an ``optim_step`` or a weight load of that run).
 
+On CUDA the engine routes the decoder's pointwise chains (RMSNorm, SiLU * up, rotary)
+through fused, checked ``torch.compile`` kernels (:func:`openrl.numerics.accelerate_model`;
+``OPENRL_FUSED_KERNELS=0`` keeps eager code), LoRA deltas of several runs go through grouped
+GEMMs (:data:`openrl.lora.MULTI_ADAPTER_MODE`), and the vocabulary projection computes its
+gradient in the forward (``openrl.numerics``); nothing is recomputed. CPU numerics are
+unchanged.
+
 Not thread-safe: call it from one thread (or serialise calls).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -40,7 +48,7 @@ from openrl.lora import (
     read_peft_adapter,
     save_peft_adapter,
 )
-from openrl.numerics import DEFAULT_CHUNK_TOKENS, pad_batch, target_logprobs
+from openrl.numerics import DEFAULT_CHUNK_TOKENS, accelerate_model, pad_batch, target_logprobs
 
 OPTIMIZER_NAME = "optimizer.pt"
 RUN_NAME = "run.json"
@@ -160,6 +168,10 @@ class TrainerEngine:
         base.to(device).eval()
         self.model = MultiLoRAModel(base)
         self.device = torch.device(device)
+        #: fused-kernel status per kernel (empty on CPU); see openrl.numerics.accelerate_model
+        self.kernels: dict[str, str] = {}
+        if self.device.type == "cuda" and os.environ.get("OPENRL_FUSED_KERNELS", "1") != "0":
+            self.kernels = accelerate_model(base)
         self.max_rows = int(max_rows)
         self.max_tokens = int(max_tokens)
         self.chunk_tokens = int(chunk_tokens)

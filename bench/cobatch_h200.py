@@ -1,0 +1,413 @@
+"""Co-batched multi-LoRA training on one GPU: our TrainerEngine on Qwen3-4B shapes.
+
+    python bench/cobatch_h200.py [--out DIR] [--tiny] [--reps 5] [--sections a,b,...]
+
+Model: Qwen3-4B shapes (36 layers, hidden 2560, MLP 9728, 32 query / 8 KV heads of 128,
+vocab 151,936, tied embeddings), random bf16 weights, SDPA attention; LoRA rank 32, alpha 32
+on q/k/v/o/gate/up/down (``train_unembed=False``), as ``bench/peft_baseline_h200.py`` (the
+transformers + peft baseline, run in the same job). Every step is one
+``TrainerEngine.forward_backward`` call with the RL loss (``importance_sampling``: target
+tokens, sampling logprobs, advantages), timed between ``torch.cuda.synchronize()`` calls;
+gradients are cleared between steps outside the timed region (what ``optim_step`` does).
+Median of ``--reps`` steps after 2 warm-up steps.
+
+Sections (``--sections``, default all):
+  check     optimised vs "before" paths on the GPU: relative error of logprobs and gradients
+  cobatch   N = 1, 2, 4, 8 runs x (1 x 1024 tokens): one co-batched pass vs N passes one
+            after another (our engine), plus the "before" configuration at N = 1 and 8
+  ablate    N = 8 co-batched with one optimisation switched off at a time
+  full      one run, 8 x 1024 tokens: tokens/s, MFU, peak memory (optimised and "before")
+  big       one run, 16 x 1024 and 32 x 1024 (micro-batches of at most --max-tokens)
+  ragged    8 runs x 1 sequence of 256..1024 tokens (right-padded batch)
+  optim     optim_step of 8 runs, one after another
+  profile   torch.profiler table of one 8-run co-batched step (profile_cobatch8.txt)
+
+Configurations: "optimised" = grouped-GEMM multi-LoRA (``openrl.lora.MULTI_ADAPTER_MODE =
+"auto"``), fused logprob head (``openrl.numerics.FUSED_LOGPROB``), compiled pointwise
+kernels (``openrl.numerics.accelerate_model``); "before" = stacked row-masked LoRA, the
+checkpointed two-pass logprob head, eager pointwise code (the engine as it was measured
+before this work: 8 runs 622 ms, one adapter 550 ms per 8192 tokens).
+
+MFU = (4 * N_non-embedding * tokens + 4 * hidden * vocab * tokens) / time / peak, with the
+peak measured here (bf16 8192^3 matmul), the formula of ``../shared/reference/
+h200-baselines.md``: forward + input gradients of the frozen body, LM head forward +
+backward-input; LoRA and attention FLOPs are not counted.
+
+Output: one JSON line per measurement on stdout and in ``DIR/cobatch.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+OUT: Path | None = None
+
+
+def log(**kw) -> None:
+    line = json.dumps(kw, default=str)
+    print(line, flush=True)
+    if OUT is not None:
+        with open(OUT / "cobatch.jsonl", "a") as f:
+            f.write(line + "\n")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def matmul_peak(dev: str) -> float | None:
+    """Measured bf16 matmul rate (FLOP/s), as in peft_baseline_h200.py."""
+    if dev != "cuda":
+        return None
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    sync()
+    t = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    sync()
+    dt = (time.perf_counter() - t) / 20
+    del a, b
+    return 2 * 8192**3 / dt
+
+
+def build_model(tiny: bool, dev: str):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if tiny:
+        cfg = Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                          tie_word_embeddings=True)
+    else:
+        cfg = Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                          rope_theta=1_000_000, tie_word_embeddings=True)
+    cfg._attn_implementation = os.environ.get("ATTN", "sdpa")
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    with torch.device(dev):
+        model = Qwen3ForCausalLM(cfg).to(dtype)
+    return model, cfg
+
+
+class Bench:
+    def __init__(self, args):
+        from functions.trainer.engine import TrainerEngine
+        from openrl.lora import LoraSpec
+
+        self.args = args
+        self.dev = "cuda" if torch.cuda.is_available() else "cpu"
+        self.T = 64 if args.tiny else 1024
+        self.rank = 8 if args.tiny else 32
+        self.peak = matmul_peak(self.dev)
+        log(what="bf16_matmul_peak_tflops", value=None if self.peak is None else self.peak / 1e12)
+        t0 = time.time()
+        model, cfg = build_model(args.tiny, self.dev)
+        self.cfg = cfg
+        n_params = sum(p.numel() for p in model.parameters())
+        self.n_nonembed = n_params - model.model.embed_tokens.weight.numel()
+        self.engine = TrainerEngine.from_base_model(model, device=self.dev, max_rows=64, max_tokens=args.max_tokens,
+                                                    chunk_tokens=args.chunk_tokens, name="random-qwen3-4b")
+        log(what="setup", params=n_params, non_embedding=self.n_nonembed, attn=cfg._attn_implementation,
+            kernels=self.engine.kernels, build_s=round(time.time() - t0, 1), torch=torch.__version__,
+            device=torch.cuda.get_device_name(0) if self.dev == "cuda" else "cpu")
+        self.runs = [f"run{i}" for i in range(8)]
+        g = torch.Generator(device="cpu").manual_seed(42)
+        for i, r in enumerate(self.runs):
+            self.engine.create_run(r, LoraSpec(rank=self.rank, alpha=32, seed=i, train_unembed=False))
+            with torch.no_grad():  # B != 0, so every adapter changes the outputs
+                for name, p in self.engine.model.named_adapter_parameters(r):
+                    if "lora_B" in name:
+                        p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+        self.rng = np.random.RandomState(0)
+        from openrl import lora, numerics
+
+        self.lora, self.numerics = lora, numerics
+        self.fast = {k: v.fast for k, v in numerics._KERNELS.items()}
+
+    # -------------------------------------------------------------- configurations
+
+    def config(self, name: str) -> None:
+        """'optimised' | 'before' | 'no_grouped' | 'no_fused_head' | 'no_compile'."""
+        grouped = name not in ("before", "no_grouped")
+        self.lora.MULTI_ADAPTER_MODE = "auto" if grouped else "stacked"
+        self.numerics.FUSED_LOGPROB = name not in ("before", "no_fused_head")
+        self.engine.chunk_tokens = 2048 if name == "before" else self.args.chunk_tokens  # 2048: the old default
+        compiled = name not in ("before", "no_compile")
+        for k, kern in self.numerics._KERNELS.items():
+            kern.fast = self.fast[k] if compiled else None
+
+    # -------------------------------------------------------------- data
+
+    def item(self, run: str, rows: int, T: int | None = None, lengths: list[int] | None = None):
+        from functions.trainer.engine import Datum, FwdBwdItem
+
+        V = self.cfg.vocab_size
+        datums = []
+        for j in range(rows):
+            n = lengths[j] if lengths else (T or self.T)
+            ids = self.rng.randint(0, V, size=n + 1).astype(np.int64)
+            datums.append(Datum(list(ids[:-1]), {
+                "target_tokens": ids[1:],
+                "logprobs": self.rng.uniform(-12, -8, n).astype(np.float32),
+                "advantages": self.rng.normal(size=n).astype(np.float32),
+            }))
+        return FwdBwdItem(run, datums, "importance_sampling")
+
+    def zero(self) -> None:
+        for r in self.runs:
+            self.engine.zero_grad(r)
+
+    def step(self, items) -> None:
+        res = self.engine.forward_backward(items)
+        for x in res:
+            if x.error is not None:
+                raise RuntimeError(f"forward_backward failed: {x.error}")
+
+    def timed(self, fn, reps: int | None = None, warmup: int = 2) -> dict:
+        reps = reps or self.args.reps
+        for _ in range(warmup):
+            fn()
+            self.zero()
+        if self.dev == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(reps):
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t)
+            self.zero()
+        out = {"s_median": statistics.median(times), "s_min": min(times), "s_all": [round(x, 4) for x in times]}
+        if self.dev == "cuda":
+            out["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 1)
+        return out
+
+    def mfu(self, tokens: int, seconds: float) -> float | None:
+        if self.peak is None:
+            return None
+        H, V = self.cfg.hidden_size, self.cfg.vocab_size
+        return (4 * self.n_nonembed * tokens + 4 * H * V * tokens) / seconds / self.peak
+
+    # -------------------------------------------------------------- sections
+
+    def s_check(self) -> None:
+        """Optimised vs 'before' on the GPU: logprobs and LoRA gradients of 2 co-batched runs."""
+        from openrl.numerics import pad_batch, target_logprobs
+
+        T = min(self.T, 256)
+        ids = torch.from_numpy(self.rng.randint(0, self.cfg.vocab_size, size=(3, T + 1)))
+        rows = ["run0", "run0", "run1"]
+        res = {}
+        for name in ("before", "optimised"):
+            self.config(name)
+            self.zero()
+            inp, mask = pad_batch([r[:-1].tolist() for r in ids], 0)
+            lp = target_logprobs(self.engine.model, inp, ids[:, 1:], mask, rows)
+            w = torch.linspace(-1, 1, lp.numel(), device=lp.device).view_as(lp)
+            (lp * w).sum().backward()
+            grads = [p.grad.detach().float().clone() for r in ("run0", "run1") for p in self.engine.model.adapter_parameters(r)]
+            res[name] = (lp.detach().float(), grads)
+        self.zero()
+        (la, ga), (lb, gb) = res["before"], res["optimised"]
+        lp_err = float((la - lb).norm() / la.norm())
+        g_err = float(torch.stack([(a - b).norm() ** 2 for a, b in zip(ga, gb)]).sum().sqrt()
+                      / torch.stack([a.norm() ** 2 for a in ga]).sum().sqrt())
+        log(what="check_optimised_vs_before", tokens=3 * T, logprob_rel_err=lp_err, grad_rel_err=g_err,
+            logprob_max_abs_diff=float((la - lb).abs().max()))
+
+    def s_precision(self) -> None:
+        """bf16 paths ('before', 'optimised', each ablation) vs a float32 reference (the same
+        weights upcast, eager 'before' code): relative L2 error of logprobs and LoRA grads."""
+        from openrl.numerics import pad_batch, target_logprobs
+
+        T = min(self.T, 256)
+        ids = torch.from_numpy(self.rng.randint(0, self.cfg.vocab_size, size=(3, T + 1)))
+        rows = ["run0", "run0", "run1"]
+
+        def run(name: str, fp32: bool = False):
+            self.config(name)
+            self.zero()
+            orig = next(self.engine.model.base.parameters()).dtype
+            if fp32:
+                self.engine.model.base.float()
+            try:
+                inp, mask = pad_batch([r[:-1].tolist() for r in ids], 0)
+                lp = target_logprobs(self.engine.model, inp, ids[:, 1:], mask, rows)
+                w = torch.linspace(-1, 1, lp.numel(), device=lp.device).view_as(lp)
+                (lp * w).sum().backward()
+                grads = [p.grad.detach().double().clone() for r in ("run0", "run1")
+                         for p in self.engine.model.adapter_parameters(r)]
+                return lp.detach().double(), grads
+            finally:
+                if fp32:
+                    self.engine.model.base.to(orig)
+                self.zero()
+
+        def rel(a, b):
+            la, ga = a
+            lr, gr = b
+            g = float(sum(((x - y).norm() ** 2 for x, y in zip(ga, gr))) ** 0.5 / sum((y.norm() ** 2 for y in gr)) ** 0.5)
+            return float((la - lr).norm() / lr.norm()), g
+
+        ref = run("before", fp32=True)
+        out = {}
+        for name in ("before", "optimised", "no_grouped", "no_fused_head", "no_compile"):
+            out[name] = run(name)
+            e_lp, e_g = rel(out[name], ref)
+            log(what="precision_vs_fp32", config=name, tokens=3 * T, logprob_rel_err=e_lp, grad_rel_err=e_g)
+        e_lp, e_g = rel(out["optimised"], out["before"])
+        log(what="precision_optimised_vs_before", logprob_rel_err=e_lp, grad_rel_err=e_g)
+        self.config("optimised")
+
+    def s_cobatch(self) -> None:
+        T = self.T
+        for cfg_name, ns in (("optimised", (1, 2, 4, 8)), ("before", (1, 8))):
+            self.config(cfg_name)
+            for n in ns:
+                runs = self.runs[:n]
+                items = [self.item(r, 1) for r in runs]
+                co = self.timed(lambda: self.step(items))
+                seq = self.timed(lambda: [self.step([it]) for it in items], reps=max(2, self.args.reps // 2))
+                tok = n * T
+                log(what="cobatch", config=cfg_name, runs=n, tokens_per_run=T, tokens=tok,
+                    cobatched_s=round(co["s_median"], 4), cobatched_tokens_per_s=round(tok / co["s_median"]),
+                    sequential_s=round(seq["s_median"], 4), sequential_tokens_per_s=round(tok / seq["s_median"]),
+                    speedup_vs_own_sequential=round(seq["s_median"] / co["s_median"], 2),
+                    mfu=self.mfu(tok, co["s_median"]), peak_mem_gb=co.get("peak_mem_gb"), detail=co)
+
+    def s_ablate(self) -> None:
+        items = [self.item(r, 1) for r in self.runs]
+        tok = 8 * self.T
+        for name in ("optimised", "no_grouped", "no_fused_head", "no_compile"):
+            self.config(name)
+            r = self.timed(lambda: self.step(items))
+            log(what="ablate_cobatch8", config=name, s=round(r["s_median"], 4), tokens_per_s=round(tok / r["s_median"]),
+                peak_mem_gb=r.get("peak_mem_gb"))
+        self.config("optimised")
+
+    def s_full(self) -> None:
+        for name in ("optimised", "before"):
+            self.config(name)
+            it = [self.item("run0", 8)]
+            r = self.timed(lambda: self.step(it))
+            tok = 8 * self.T
+            log(what="single_run_8x1024", config=name, s=round(r["s_median"], 4),
+                tokens_per_s=round(tok / r["s_median"]), mfu=self.mfu(tok, r["s_median"]), peak_mem_gb=r.get("peak_mem_gb"))
+        self.config("optimised")
+
+    def s_big(self) -> None:
+        self.config("optimised")
+        for rows in (16, 32):
+            it = [self.item("run0", rows)]
+            try:
+                r = self.timed(lambda: self.step(it), reps=3, warmup=1)
+                tok = rows * self.T
+                log(what=f"single_run_{rows}x{self.T}", config="optimised", s=round(r["s_median"], 4),
+                    tokens_per_s=round(tok / r["s_median"]), mfu=self.mfu(tok, r["s_median"]),
+                    peak_mem_gb=r.get("peak_mem_gb"), micro_batch_max_tokens=self.args.max_tokens,
+                    micro_batches=-(-rows * self.T // self.args.max_tokens))
+            except Exception as e:  # OOM
+                log(what=f"single_run_{rows}x{self.T}", error=f"{type(e).__name__}: {str(e)[:200]}")
+                self.zero()
+                if self.dev == "cuda":
+                    torch.cuda.empty_cache()
+
+    def s_ragged(self) -> None:
+        self.config("optimised")
+        lens = [int(x) for x in self.rng.randint(self.T // 4, self.T + 1, size=8)]
+        items = [self.item(r, 1, lengths=[n]) for r, n in zip(self.runs, lens)]
+        r = self.timed(lambda: self.step(items))
+        tok = sum(lens)
+        log(what="ragged_8_runs", lengths=lens, real_tokens=tok, padded_tokens=8 * max(lens), s=round(r["s_median"], 4),
+            real_tokens_per_s=round(tok / r["s_median"]), peak_mem_gb=r.get("peak_mem_gb"))
+
+    def s_optim(self) -> None:
+        self.config("optimised")
+        items = [self.item(r, 1) for r in self.runs]
+        times = []
+        for _ in range(3):
+            self.step(items)
+            sync()
+            t = time.perf_counter()
+            for r in self.runs:
+                self.engine.optim_step(r, {"learning_rate": 1e-5})
+            sync()
+            times.append(time.perf_counter() - t)
+        log(what="optim_step_8_runs", s_median=round(statistics.median(times), 4), per_run_ms=round(1000 * statistics.median(times) / 8, 1))
+
+    def s_profile(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.config("optimised")
+        items = [self.item(r, 1) for r in self.runs]
+        self.step(items)
+        self.zero()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dev == "cuda" else [])
+        with profile(activities=acts) as prof:
+            self.step(items)
+            sync()
+        self.zero()
+        ka = prof.key_averages()
+        table = None
+        for key in (("device_time_total", "cuda_time_total") if self.dev == "cuda" else ("cpu_time_total",)):
+            try:
+                table = ka.table(sort_by=key, row_limit=45, max_name_column_width=70)
+                break
+            except Exception:
+                continue
+        table = table or ka.table(row_limit=45)
+        if OUT is not None:
+            (OUT / "profile_cobatch8.txt").write_text(table)
+        print(table[:6000], flush=True)
+
+
+def main() -> None:
+    global OUT
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tiny", action="store_true", help="a toy model (CPU dry run)")
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=16384, help="engine micro-batch cap (padded tokens)")
+    ap.add_argument("--chunk-tokens", type=int, default=4096, help="vocabulary projection chunk")
+    ap.add_argument("--sections", default="check,cobatch,ablate,full,ragged,optim,big,profile")
+    args = ap.parse_args()
+    OUT = Path(args.out)
+    OUT.mkdir(parents=True, exist_ok=True)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    t0 = time.time()
+    b = Bench(args)
+    for s in args.sections.split(","):
+        t = time.time()
+        try:
+            getattr(b, f"s_{s}")()
+        except Exception as e:
+            log(what=f"section_{s}", error=f"{type(e).__name__}: {e}", tb=traceback.format_exc()[-1500:])
+            b.zero()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        log(what="section_done", section=s, s=round(time.time() - t, 1))
+    log(what="done", total_s=round(time.time() - t0, 1))
+
+
+if __name__ == "__main__":
+    main()

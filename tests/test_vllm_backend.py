@@ -1,0 +1,167 @@
+"""The vLLM sampler backend's CPU-side parts: adapter conversion (lm_head LoRA), the
+SampleJob -> SamplingParams mapping, and turning vLLM outputs into SampleResults.
+
+The engine itself needs vLLM and a CUDA GPU; those tests are skipped here with the reason
+(they ran on an H200 through bench/sampler_h200.py: docs/benchmarks.md, "H200 (issue 8)").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from functions.sampler.engine import TOPK_MASK_LOGPROB, SampleJob, SampleResult
+from functions.sampler.vllm_backend import (
+    check_supported,
+    prepare_adapter,
+    prompt_fields,
+    sampling_kwargs,
+    sequence_from_output,
+)
+from functions.trainer.engine import TrainerEngine
+from openrl.errors import ServerError, UserError
+from openrl.lora import LoraSpec
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """Two trainer exports of a tiny Qwen3: with and without the lm_head LoRA."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("vllm-adapters")
+    cfg = Qwen3Config(vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    e = TrainerEngine.from_base_model(Qwen3ForCausalLM(cfg))
+    e.create_run("full", LoraSpec(rank=4, seed=1))  # train_unembed defaults to True (Tinker)
+    e.create_run("body", LoraSpec(rank=4, seed=2, train_unembed=False))
+    e.create_run("head", LoraSpec(rank=4, seed=3, train_attn=False, train_mlp=False))
+    for n in ("full", "body", "head"):
+        e.export_sampler_weights(n, root / n)
+    return root
+
+
+def test_prepare_adapter_drops_lm_head(exported, tmp_path):
+    src = exported / "full"
+    path, info = prepare_adapter(src, tmp_path / "conv", unembed_lora="drop", max_rank=32)
+    assert path == tmp_path / "conv"
+    assert info["dropped"] == ["base_model.model.lm_head.lora_A.weight", "base_model.model.lm_head.lora_B.weight"]
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    assert "lm_head" not in cfg["target_modules"] and "q_proj" in cfg["target_modules"]
+    before, after = load_file(str(src / "adapter_model.safetensors")), load_file(str(path / "adapter_model.safetensors"))
+    assert set(after) == set(before) - set(info["dropped"])
+    for k, v in after.items():
+        assert torch.equal(v, before[k])
+
+
+def test_prepare_adapter_passes_through(exported, tmp_path):
+    assert prepare_adapter(exported / "body", tmp_path / "x")[0] == exported / "body"  # nothing to drop
+    assert prepare_adapter(exported / "full", tmp_path / "y", unembed_lora="keep")[0] == exported / "full"
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_prepare_adapter_errors(exported, tmp_path):
+    with pytest.raises(UserError) as ei:
+        prepare_adapter(exported / "body", tmp_path / "a", max_rank=2)
+    assert ei.value.field == "model_path" and "rank 4" in str(ei.value)
+    with pytest.raises(UserError):
+        prepare_adapter(tmp_path / "missing", tmp_path / "b")
+    with pytest.raises(UserError) as ei:
+        prepare_adapter(exported / "head", tmp_path / "c")  # only lm_head: nothing left
+    assert "lm_head" in str(ei.value)
+
+
+def _job(**kw) -> SampleJob:
+    base = dict(prompt=[5, 6, 7, 8], max_tokens=4)
+    base.update(kw)
+    return SampleJob(**base)
+
+
+def test_sampling_kwargs_mapping():
+    from functions.sampler.stops import resolve_stop
+
+    eos = frozenset({2})
+    kw = sampling_kwargs(_job(), *resolve_stop(None, eos))
+    assert kw["stop_token_ids"] == [2] and kw["ignore_eos"] and kw["stop"] is None and not kw["detokenize"]
+    assert kw["top_k"] == 0 and kw["logprobs"] == 0 and kw["max_tokens"] == 4
+    kw = sampling_kwargs(_job(stop=[], top_k=-1), *resolve_stop([], eos))
+    assert kw["stop_token_ids"] == [] and kw["ignore_eos"]  # stop=[]: not even EOS
+    kw = sampling_kwargs(_job(stop=[9, 3], top_k=5, topk_sample_logprobs=3), *resolve_stop([9, 3], eos))
+    assert kw["stop_token_ids"] == [2, 3, 9] and kw["top_k"] == 5 and kw["logprobs"] == 3
+    kw = sampling_kwargs(_job(stop=["\n\nUser:"]), *resolve_stop(["\n\nUser:"], eos))
+    assert kw["stop"] == ["\n\nUser:"] and kw["detokenize"] and kw["stop_token_ids"] == [2]
+
+
+def test_unsupported_fields_are_user_errors():
+    check_supported(_job(prompt_logprobs=True, topk_prompt_logprobs=2))
+    with pytest.raises(UserError) as ei:
+        check_supported(_job(target_prompt_ids=[[1], [2], [3]]))
+    assert ei.value.field == "target_prompt_logprobs"
+    with pytest.raises(UserError) as ei:
+        check_supported(_job(prompt_alt_tokens_k=2))
+    assert ei.value.field == "prompt_alt_tokens_k"
+
+
+def _lp(v: float, rank: int):
+    return SimpleNamespace(logprob=v, rank=rank, decoded_token=None)
+
+
+def test_sequence_from_output():
+    # position 1: the sampled token (7) is not in the top-2, vLLM adds it as an extra entry
+    out = SimpleNamespace(
+        index=0, token_ids=[4, 7], finish_reason="stop",
+        logprobs=[{4: _lp(-0.1, 1), 9: _lp(-2.5, 2)}, {1: _lp(-0.5, 1), 3: _lp(-1.0, 2), 7: _lp(-3.0, 5)}],
+    )
+    s = sequence_from_output(out, 2)
+    assert s.tokens == [4, 7] and s.logprobs == [-0.1, -3.0] and s.stop_reason == "stop"
+    assert s.topk == ([[4, 9], [1, 3]], [[-0.1, -2.5], [-0.5, -1.0]])
+    s = sequence_from_output(SimpleNamespace(index=0, token_ids=[4], finish_reason="length",
+                                             logprobs=[{4: _lp(-0.1, 1)}]), 3)
+    assert s.topk == ([[4, 0, 0]], [[-0.1, TOPK_MASK_LOGPROB, TOPK_MASK_LOGPROB]]) and s.stop_reason == "length"
+    with pytest.raises(ServerError):
+        sequence_from_output(SimpleNamespace(index=0, token_ids=[4], finish_reason="abort", logprobs=[{4: _lp(0, 1)}]), 0)
+    with pytest.raises(ServerError):
+        sequence_from_output(SimpleNamespace(index=0, token_ids=[4], finish_reason="stop", logprobs=None), 0)
+
+
+def test_prompt_fields_last_n_and_topk():
+    job = _job(prompt_logprobs=True, topk_prompt_logprobs=1, prompt_logprobs_last_n=2)
+    plp = [None, {6: _lp(-1.0, 1)}, {7: _lp(-2.0, 3), 1: _lp(-0.2, 1)}, {8: _lp(-0.3, 1)}]
+    res = SampleResult(sequences=[])
+    prompt_fields(res, job, plp)
+    assert math.isnan(res.prompt_logprobs[0]) and math.isnan(res.prompt_logprobs[1])
+    assert res.prompt_logprobs[2:] == [-2.0, -0.3]
+    ids, lps = res.topk_prompt
+    assert ids == [[0], [0], [1], [8]] and lps[2:] == [[-0.2], [-0.3]] and lps[1] == [TOPK_MASK_LOGPROB]
+    with pytest.raises(ServerError):
+        prompt_fields(SampleResult(sequences=[]), job, None)
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM and a CUDA GPU are not available here: the engine runs only on "
+                    "the GPU machine (bench/sampler_h200.py drives VLLMBackend there)")
+def test_vllm_backend_engine(tmp_path):  # pragma: no cover - GPU only
+    import asyncio
+
+    from functions.sampler.vllm_backend import VLLMBackend
+
+    cfg = Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    b = VLLMBackend(tmp_path / "m", device="cuda", max_batch_rows=8, max_context=256, gpu_memory_utilization=0.3)
+
+    async def go():
+        r = await b.sample(_job(max_tokens=5, stop=[]))
+        await b.close()
+        return r
+
+    r = asyncio.run(go())
+    assert len(r.sequences[0].tokens) == 5
