@@ -49,3 +49,40 @@ class ServerError(OpenRLError):
 
     category = "server"
     status = 500
+
+
+class Overloaded(OpenRLError):
+    """The work queue the request would join is full (HTTP 429 with ``Retry-After``).
+
+    The SDK backs off and resends the same request (same ``seq_id``), which the gateway
+    deduplicates, so nothing is lost or applied twice.
+
+    Args:
+        message: what is full.
+        retry_after: suggested wait before the retry (seconds).
+    """
+
+    category = "server"
+    status = 429
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class NotSupported(UserError):
+    """A Tinker feature this server does not implement (HTTP 400, category "user").
+
+    The message says what is unsupported and what to use instead. 400 rather than 501 on
+    purpose: the SDK retries every status >= 500 (and 408/409/429) for up to 5 minutes
+    (``InternalClientHolder.execute_with_retries``), so a 501 would look like a hang; a 400
+    raises ``tinker.BadRequestError`` at once.
+
+    Args:
+        feature: the SDK method or option, e.g. ``"RestClient.export_session_trace"``.
+        message: why, and the alternative.
+    """
+
+    def __init__(self, feature: str, message: str):
+        super().__init__(feature, f"not supported by this server: {message}")
+        self.feature = feature

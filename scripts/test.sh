@@ -7,4 +7,6 @@ bash scripts/install.sh
 . .venv/bin/activate
 if [ -f scripts/ci-deploy-tools.sh ]; then bash scripts/ci-deploy-tools.sh; fi
 export TINKER_TELEMETRY=0 HF_HUB_OFFLINE=1
+# the compatibility subset against an older, protobuf-era SDK (its own venv)
+bash scripts/test-old-sdk.sh 0.25.0
 python -m pytest -ra "$@"

@@ -54,6 +54,7 @@ TRAIN_OPS = [
     "optim_step",
     "save_weights",
     "save_weights_for_sampler",
+    "save_weights_external",
     "load_weights",
     "unload_model",
 ]

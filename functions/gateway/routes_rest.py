@@ -2,7 +2,9 @@
 
 Checkpoints are listed from storage manifests (the source of truth for saved weights);
 training runs and sessions from the metadata bucket. Everything is scoped to the
-caller's API key: another key's objects answer 404 and never appear in listings.
+caller's API key: another key's objects answer 404 and never appear in listings. An admin
+key (see :mod:`openrl.auth`) with ``access_scope=all`` (or the SDK's ``accessible``) lists and
+reads every key's training runs, checkpoints and sessions; it cannot change them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 
 from fastapi import APIRouter, Request
 
-from functions.gateway.deps import gw, owner, parse
+from functions.gateway.deps import caller, gw, owner, parse, sees_all
 from functions.gateway.routes_training import _owned_manifest
 from openrl import wire
 from openrl.errors import NotFound, UserError
@@ -41,9 +43,10 @@ def _live(m: dict) -> bool:
     return not exp or exp > time.time()
 
 
-async def _run_checkpoints(g, run_id: str, who: str) -> list[dict]:
+async def _run_checkpoints(g, run_id: str, who: str | None) -> list[dict]:
+    """Live checkpoints of a run owned by ``who`` (None: any owner; admin listings), newest first."""
     ms = await asyncio.to_thread(g.storage.list_run, run_id)
-    ms = [m for m in ms if m.get("owner") == who and _live(m)]
+    ms = [m for m in ms if (who is None or m.get("owner") == who) and _live(m)]
     ms.sort(key=lambda m: m.get("created_unix", 0), reverse=True)
     return ms
 
@@ -70,7 +73,7 @@ def training_run_json(rec: dict, ckpts: list[dict]) -> dict:
 async def weights_info(request: Request) -> dict:
     req = await parse(request, wire.WeightsInfoRequest)
     g = gw(request)
-    m = await _owned_manifest(g, TinkerPath.parse(req.tinker_path, field="tinker_path"), owner(request))
+    m = await _owned_manifest(g, TinkerPath.parse(req.tinker_path, field="tinker_path"), owner(request), "tinker_path")
     lora = m.get("lora_config") or {}
     return {
         "base_model": m.get("base_model"),
@@ -83,11 +86,34 @@ async def weights_info(request: Request) -> dict:
     }
 
 
-@router.get("/training_runs")
-async def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict:
+def _scope(request: Request) -> str | None:
+    """The owner whose objects a listing shows: the caller's, or None (all) for an admin key
+    with ``access_scope=all`` / ``accessible``."""
+    return None if sees_all(request) else owner(request)
+
+
+async def _run_record(request: Request, run_id: str) -> dict:
+    """A training-run record the caller may read (own; any for an admin listing all), else 404."""
     g = gw(request)
-    who = owner(request)
-    recs = [r for r in await g.bus.meta_list("model") if r.get("owner") == who]
+    who = _scope(request)
+    if who is not None:
+        return await g.model(run_id, who, "training_run_id")
+    rec = await g.bus.meta_get("model", run_id)
+    if rec is None:
+        raise NotFound("training_run_id", f"unknown training run {run_id!r}")
+    return rec
+
+
+@router.get("/training_runs")
+async def list_training_runs(request: Request, limit: int = 20, offset: int = 0, project_id: str | None = None) -> dict:
+    """Newest first; ``project_id`` keeps the runs of sessions in that project (see
+    :func:`assign_session_project`)."""
+    g = gw(request)
+    who = _scope(request)
+    recs = [r for r in await g.bus.meta_list("model") if who is None or r.get("owner") == who]
+    if project_id is not None:
+        in_project = {r["session_id"] for r in await g.bus.meta_list("session") if r.get("project_id") == project_id}
+        recs = [r for r in recs if r.get("session_id") in in_project]
     recs.sort(key=lambda r: r.get("created", ""), reverse=True)
     page = recs[offset : offset + limit]
     runs = [training_run_json(r, await _run_checkpoints(g, r["model_id"], who)) for r in page]
@@ -96,25 +122,23 @@ async def list_training_runs(request: Request, limit: int = 20, offset: int = 0)
 
 @router.get("/training_runs/{run_id}")
 async def get_training_run(run_id: str, request: Request) -> dict:
-    g = gw(request)
-    who = owner(request)
-    rec = await g.model(run_id, who, "training_run_id")
-    return training_run_json(rec, await _run_checkpoints(g, run_id, who))
+    rec = await _run_record(request, run_id)
+    return training_run_json(rec, await _run_checkpoints(gw(request), run_id, _scope(request)))
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
 async def list_checkpoints(run_id: str, request: Request) -> dict:
     g = gw(request)
-    who = owner(request)
-    await g.model(run_id, who, "training_run_id")
+    who = _scope(request)
+    await _run_record(request, run_id)
     return {"checkpoints": [checkpoint_json(m) for m in await _run_checkpoints(g, run_id, who)], "cursor": None}
 
 
 @router.get("/checkpoints")
 async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
     g = gw(request)
-    who = owner(request)
-    recs = [r for r in await g.bus.meta_list("model") if r.get("owner") == who]
+    who = _scope(request)
+    recs = [r for r in await g.bus.meta_list("model") if who is None or r.get("owner") == who]
     allm: list[dict] = []
     for r in recs:
         allm.extend(await _run_checkpoints(g, r["model_id"], who))
@@ -125,22 +149,35 @@ async def list_user_checkpoints(request: Request, limit: int = 100, offset: int 
 
 
 async def _checkpoint(request: Request, run_id: str, checkpoint_id: str) -> tuple[TinkerPath, dict]:
+    """The caller's live checkpoint ``<kind>/<name>`` of run ``run_id`` (path + manifest).
+
+    Raises:
+        UserError: not a ``<kind>/<name>`` id. NotFound: absent, expired, or another key's.
+    """
     g = gw(request)
     path = TinkerPath.parse(f"tinker://{run_id}/{checkpoint_id}", field="checkpoint_id")
     m = await asyncio.to_thread(g.storage.manifest, path)
-    if m is None or m.get("owner") != owner(request):
+    if m is None or m.get("owner") != owner(request) or not _live(m):
         raise NotFound("checkpoint_id", f"no checkpoint {checkpoint_id!r} in training run {run_id!r}")
     return path, m
 
 
-@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict:
-    path, _ = await _checkpoint(request, run_id, checkpoint_id)
+# Checkpoint ids are ``<kind>/<name>`` (exactly one "/", names never contain one), so the routes
+# spell out both segments: a greedy ``{checkpoint_id:path}`` would let DELETE .../publish
+# (unpublish) be taken for a delete of a checkpoint named "<name>/publish".
+CKPT = "/training_runs/{run_id}/checkpoints/{kind}/{name}"
+
+
+@router.delete(CKPT)
+async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request) -> dict:
+    path, _ = await _checkpoint(request, run_id, f"{kind}/{name}")
     await asyncio.to_thread(gw(request).storage.delete, path)
     return {"deleted": str(path)}
 
 
 async def _set_public(request: Request, run_id: str, checkpoint_id: str, public: bool) -> dict:
+    """Publish / unpublish. Already in that state: 400 (hosted Tinker answers 409, which the SDK
+    would retry for 5 minutes before failing)."""
     path, m = await _checkpoint(request, run_id, checkpoint_id)
     if bool(m.get("public")) == public:
         raise UserError("checkpoint_id", f"checkpoint is already {'public' if public else 'private'}")
@@ -149,30 +186,51 @@ async def _set_public(request: Request, run_id: str, checkpoint_id: str, public:
     return {"public": public}
 
 
-@router.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
-async def publish(run_id: str, checkpoint_id: str, request: Request) -> dict:
-    return await _set_public(request, run_id, checkpoint_id, True)
+@router.post(CKPT + "/publish")
+async def publish(run_id: str, kind: str, name: str, request: Request) -> dict:
+    return await _set_public(request, run_id, f"{kind}/{name}", True)
 
 
-@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
-async def unpublish(run_id: str, checkpoint_id: str, request: Request) -> dict:
-    return await _set_public(request, run_id, checkpoint_id, False)
+@router.delete(CKPT + "/publish")
+async def unpublish(run_id: str, kind: str, name: str, request: Request) -> dict:
+    return await _set_public(request, run_id, f"{kind}/{name}", False)
 
 
-@router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
-async def set_ttl(run_id: str, checkpoint_id: str, request: Request) -> dict:
+@router.put(CKPT + "/ttl")
+async def set_ttl(run_id: str, kind: str, name: str, request: Request) -> dict:
+    """Set (``ttl_seconds``, counted from now) or clear (null) a checkpoint's expiry."""
     req = await parse(request, wire.TtlRequest)
-    path, m = await _checkpoint(request, run_id, checkpoint_id)
+    path, m = await _checkpoint(request, run_id, f"{kind}/{name}")
     m["ttl_seconds"] = req.ttl_seconds
     m["expires_unix"] = (time.time() + req.ttl_seconds) if req.ttl_seconds else None
     await asyncio.to_thread(gw(request).storage.write_manifest, path, m)
     return {"ttl_seconds": req.ttl_seconds}
 
 
+@router.get(CKPT + "/external_weights_urls")
+async def get_external_weights_urls(run_id: str, kind: str, name: str, request: Request) -> dict:
+    """Signed, expiring download URLs for every file of the checkpoint (see
+    :mod:`functions.gateway.routes_download`)."""
+    from functions.gateway.routes_download import external_weights_urls
+
+    path, m = await _checkpoint(request, run_id, f"{kind}/{name}")
+    return await external_weights_urls(request, path, m)
+
+
+@router.get(CKPT + "/archive")
+async def get_checkpoint_archive_url(run_id: str, kind: str, name: str, request: Request) -> dict:
+    """Older SDKs' ``RestClient.get_checkpoint_archive_url``: ``{url, expires}`` of a signed
+    ``.tar`` of the checkpoint (see :func:`functions.gateway.routes_download.archive_url`)."""
+    from functions.gateway.routes_download import archive_url
+
+    path, m = await _checkpoint(request, run_id, f"{kind}/{name}")
+    return await archive_url(request, path, m)
+
+
 @router.get("/sessions")
 async def list_sessions(request: Request, limit: int = 20, offset: int = 0) -> dict:
-    who = owner(request)
-    recs = [r for r in await gw(request).bus.meta_list("session") if r.get("owner") == who]
+    who = _scope(request)
+    recs = [r for r in await gw(request).bus.meta_list("session") if who is None or r.get("owner") == who]
     recs.sort(key=lambda r: r.get("created", ""), reverse=True)
     return {"sessions": [r["session_id"] for r in recs[offset : offset + limit]]}
 
@@ -186,3 +244,117 @@ async def get_session(session_id: str, request: Request) -> dict:
         "user_metadata": rec.get("user_metadata") or None,
         "display_name": rec.get("display_name"),
     }
+
+
+# ----------------------------------------------------------------------- sessions, misc
+
+
+@router.put("/sessions/{session_id}/project")
+async def assign_session_project(session_id: str, request: Request) -> dict:
+    """``RestClient.assign_session_project``: record the session's project id. Projects are plain
+    labels here (no membership or access control): ``list_training_runs(project_id=...)`` and
+    ``search_sessions(project_ids=...)`` filter by it."""
+    req = await parse(request, wire.SetSessionProjectRequest)
+    g = gw(request)
+    await g.session(session_id, owner(request))
+    if not req.project_id:
+        raise UserError("project_id", "required")
+
+    def upd(old):
+        old = dict(old or {})
+        old["project_id"] = req.project_id
+        return old
+
+    await g.bus.meta_update(upd, "session", session_id)
+    return {"session_id": session_id, "project_id": req.project_id}
+
+
+def _session_status(rec: dict) -> dict:
+    """A session record's status as the SDK's ``SessionStatus`` union."""
+    if rec.get("status") == "finished":
+        return {"type": "client_finished", "reason": {"type": rec.get("finish_reason") or "success"}}
+    return {"type": "active"}
+
+
+@router.post("/sessions/search")
+async def search_sessions(request: Request) -> dict:
+    """``RestClient.search_sessions`` (experimental in the SDK): the caller's sessions, newest
+    first, filtered by ``session_id`` / ``display_name`` (either matches), ``project_ids``,
+    ``user_metadata`` (every pair) and ``statuses``; ``limit`` + ``cursor`` paging.
+
+    Raises:
+        NotSupported: ``owner`` other than ``{"type": "own"}`` for a non-admin key.
+    """
+    import json as _json
+
+    from openrl.errors import NotSupported
+
+    body = _json.loads(await request.body() or b"{}")
+    g = gw(request)
+    who = owner(request)
+    own = (body.get("owner") or {}).get("type", "own")
+    if own != "own" and not caller(request).admin:
+        raise NotSupported("owner", "searching other owners' sessions needs an admin key")
+    recs = [r for r in await g.bus.meta_list("session") if own != "own" or r.get("owner") == who]
+    sid, name = body.get("session_id"), body.get("display_name")
+    if sid is not None or name:
+        words = (name or "").lower().split()
+        recs = [r for r in recs if (sid is not None and r["session_id"] == sid)
+                or (words and all(w in (r.get("display_name") or "").lower() for w in words))]
+    if body.get("project_ids") is not None:
+        recs = [r for r in recs if (r.get("project_id") or "default") in body["project_ids"]]
+    for k, v in (body.get("user_metadata") or {}).items():
+        recs = [r for r in recs if str((r.get("user_metadata") or {}).get(k)) == str(v)]
+    if body.get("statuses"):
+        kinds = {q.get("type") for q in body["statuses"]}
+        recs = [r for r in recs if _session_status(r)["type"] in kinds]
+    recs.sort(key=lambda r: (r.get("created", ""), r["session_id"]), reverse=True)
+    cur = body.get("cursor")
+    if cur:
+        last = (str(cur.get("last_created_at", "")).replace("+00:00", "Z"), cur.get("last_session_id", ""))
+        recs = [r for r in recs if (r.get("created", ""), r["session_id"]) < last]
+    limit = max(1, min(200, int(body.get("limit") or 50)))
+    page = recs[:limit]
+    out = []
+    for r in page:
+        n = 0
+        for run_id in r.get("training_run_ids", []):
+            n += len(await _run_checkpoints(g, run_id, r.get("owner")))
+        out.append({"session_id": r["session_id"], "created_at": r.get("created"), "owner": r.get("owner"),
+                    "project_id": r.get("project_id") or "default", "status": _session_status(r),
+                    "checkpoints_count": n, "display_name": r.get("display_name"),
+                    "user_metadata": {k: str(v) for k, v in (r.get("user_metadata") or {}).items()} or None})
+    nxt = None
+    if len(recs) > limit:
+        nxt = {"last_created_at": page[-1].get("created"), "last_session_id": page[-1]["session_id"]}
+    return {"sessions": out, "next_cursor": nxt}
+
+
+@router.get("/sessions/{session_id}/trace_export")
+async def export_session_trace(session_id: str, request: Request) -> dict:
+    """``RestClient.export_session_trace``: not supported (no Perfetto trace export)."""
+    from openrl.errors import NotSupported
+
+    await gw(request).session(session_id, owner(request))
+    raise NotSupported("RestClient.export_session_trace", "Perfetto trace export of sessions is not implemented; "
+                       "use the gateway's logs / metrics instead")
+
+
+@router.post("/copy_weights")
+async def copy_weights(request: Request) -> dict:
+    """``RestClient.copy_weights`` / ``ServiceClient.copy_weights``: not supported (no projects to
+    copy between)."""
+    from openrl.errors import NotSupported
+
+    raise NotSupported("copy_weights", "copying checkpoints into another project (projects are only labels "
+                       "here); publish the checkpoint and create_training_client_from_state from its path instead")
+
+
+@router.get("/audit")
+@router.get("/billing/usage/events")
+@router.get("/billing/usage/checkpoints/current")
+async def admin_unsupported(request: Request) -> dict:
+    """``AdminClient`` audit log and billing routes: not supported (no billing)."""
+    from openrl.errors import NotSupported
+
+    raise NotSupported(request.url.path.removeprefix("/api/v1/"), "audit logs and billing are not kept by this server")

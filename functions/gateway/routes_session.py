@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from functions.gateway.deps import gw, owner, parse
+from functions.gateway.deps import caller, gw, owner, parse
 from openrl import wire
 from openrl.bus import now_iso
 
@@ -22,7 +23,11 @@ async def client_config(request: Request) -> dict:
         "pjwt_auth_enabled": False,
         "credential_default_source": "api_key",
         "fwdbwd_max_chunk_len": s.fwdbwd_max_chunk_len,
-        "proto_compress_fwdbwd": False,
+        # the SDK's size estimate is approximate: keep its chunks well under the body limit
+        "fwdbwd_max_chunk_bytes_count": min(5_000_000, gw(request).body_limit() // 2),
+        # OPENRL_PROTO_COMPRESS=1: the SDK zstd-compresses forward_backward bodies
+        # (Content-Encoding: zstd; the gateway decompresses them, capped at the body limit)
+        "proto_compress_fwdbwd": os.environ.get("OPENRL_PROTO_COMPRESS", "0").strip().lower() in ("1", "true", "yes"),
         "sample_use_retrieve_futures": False,
         "sample_join_sampling_session": False,
         "custom_loss_server_side": False,
@@ -45,6 +50,7 @@ async def create_session(request: Request) -> dict:
         "tags": list(req.tags or []),
         "user_metadata": req.user_metadata or {},
         "display_name": getattr(req, "display_name", None),
+        "project_id": getattr(req, "project_id", None),
         "sdk_version": req.sdk_version,
         "created": now_iso(),
         "last_heartbeat": now_iso(),
@@ -52,8 +58,13 @@ async def create_session(request: Request) -> dict:
         "training_run_ids": [],
         "sampler_ids": [],
     }
-    await gw(request).bus.meta_put(rec, "session", session_id)
-    return {"session_id": session_id}
+    g = gw(request)
+    await g.bus.meta_put(rec, "session", session_id)
+    out = {"session_id": session_id}
+    if getattr(g.keys, "allow_any", False):  # logged by the SDK
+        out["warning_message"] = ("this openrl gateway accepts ANY tml- API key (OPENRL_INSECURE_ANY_KEY=1); "
+                                  "do not use it for anything that matters")
+    return out
 
 
 @router.post("/session_heartbeat")
@@ -63,8 +74,12 @@ async def session_heartbeat(request: Request):
     rec = await g.bus.meta_get("session", req.session_id)
     if rec is None or rec.get("owner") != owner(request) or rec.get("status") != "active":
         return JSONResponse(status_code=410, content={"detail": f"session {req.session_id!r} is over"})
-    rec["last_heartbeat"] = now_iso()
-    await g.bus.meta_put(rec, "session", req.session_id)
+    def beat(old):  # compare-and-set: never undo a concurrent finish or training_run_ids append
+        old = dict(old or {})
+        old["last_heartbeat"] = now_iso()
+        return old
+
+    await g.bus.meta_update(beat, "session", req.session_id)
     return {"type": "session_heartbeat"}
 
 
@@ -73,9 +88,13 @@ async def finish_session(session_id: str, request: Request) -> dict:
     g = gw(request)
     rec = await g.session(session_id, owner(request))
     body = await request.json() if await request.body() else {}
-    rec["status"] = "finished"
-    rec["finish_reason"] = (body.get("reason") or {}).get("type")
-    await g.bus.meta_put(rec, "session", session_id)
+    def finish(old):  # compare-and-set, like the heartbeat
+        old = dict(old or rec)
+        old["status"] = "finished"
+        old["finish_reason"] = (body.get("reason") or {}).get("type")
+        return old
+
+    await g.bus.meta_update(finish, "session", session_id)
     return {"status": "finished"}
 
 
@@ -87,7 +106,22 @@ async def telemetry() -> dict:
 
 @router.get("/healthz")
 async def healthz() -> dict:
+    """Liveness/readiness probe; the only /api/v1 route that needs no API key."""
     return {"status": "ok"}
+
+
+@router.get("/admin/stats")
+async def admin_stats(request: Request):
+    """Backpressure counters of this replica (admin keys only; 403 for others):
+    ``{"rejected_429": {stream: n}, "stream_depth": {stream: messages at last reading},
+    "limits": {...}}``."""
+    if not caller(request).admin:
+        return JSONResponse(status_code=403, content={"detail": "admin key required", "category": "user",
+                                                      "field": "X-API-Key"})
+    g = gw(request)
+    return {"rejected_429": dict(g.rejected), "stream_depth": {k: v[0] for k, v in g._depth.items()},
+            "limits": {"max_pending_samples": g.settings.max_pending_samples,
+                       "max_pending_train": g.settings.max_pending_train}}
 
 
 @router.get("/get_server_capabilities")

@@ -26,6 +26,11 @@ importance ratio. Formulas (as documented for the Tinker API, tinker-docs "Loss 
 ``cispo`` ``loss = -sum(sg(clip(r, lo, hi)) * A * lp)``, the clipped-IS-weight policy
     optimisation of MiniMax-M1 (MiniMax, 2025, arXiv:2506.13585): the clipped ratio is a
     stop-gradient coefficient, so no token's gradient is ever zeroed.
+``gspo``  GSPO-token (Zheng et al. 2025, "Group Sequence Policy Optimization",
+    arXiv:2507.18071; the token-level variant Tinker documents): the sequence ratio
+    ``s = exp(mean_{t in M}(lp_t - q_t))`` over the tokens ``M`` that ``sequence_ratio_mask``
+    marks (!= 0), each token's ratio ``s_t = sg[s] * exp(lp_t - sg[lp_t])`` (s's value, the
+    token's own gradient), ``loss = -sum(min(s_t * A, clip(s_t, lo, hi) * A))``.
 ``dro``   ``loss = -sum(A * lp - beta/2 * (lp - q)^2)``, direct reward optimisation with
     a quadratic penalty (Richemond et al. 2024, "Offline Regularised Reinforcement Learning
     for Large Language Models Alignment", arXiv:2405.19107; Kimi k1.5 2025).
@@ -33,8 +38,17 @@ importance ratio. Formulas (as documented for the Tinker API, tinker-docs "Loss 
 Clip thresholds are *ratio bounds*, exactly as Tinker's ``torch.clamp(prob_ratio,
 clip_low_threshold, clip_high_threshold)``: ppo defaults 0.8 / 1.2 (epsilon 0.2, PPO's
 usual value), cispo defaults 0.0 / 4.0 (one-sided cap, Tinker's documented default).
-Both can also be given per token as ``loss_fn_inputs`` of the same names (float32 [T]),
-which then override the config. ``dro``'s ``beta`` defaults to 0.05 (the value of Tinker's
+gspo uses ppo's 0.8 / 1.2 (Tinker does not publish its default; the GSPO paper's own
+ranges are far tighter, e.g. 1 - 3e-4 / 1 + 4e-4: pass them in ``loss_fn_config``). Both can
+also be given per token as ``loss_fn_inputs`` of the same names (float32 [T]), which then
+override the config. gspo's ``sequence_ratio_mask`` (float32 [T]) is optional: without it
+the sequence ratio is taken over the tokens with a non-zero advantage (the sampled tokens
+in the usual RL datum, whose prompt positions carry advantage 0 and logprob 0); an empty
+mask gives ``s = 1``.
+
+``stable_reinforce`` is refused with a clear "not supported" :class:`UserError`: it trains on
+per-sequence stability records the hosted sampler keeps when sampling with
+``record_stability_info=True``; this server keeps none (and the objective is not published). ``dro``'s ``beta`` defaults to 0.05 (the value of Tinker's
 examples).
 
 Errors are :class:`openrl.errors.UserError` naming the field: ``loss_fn`` (unknown loss),
@@ -109,6 +123,20 @@ def cispo(lp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float])
     return _out(lp, -(coef * inputs["advantages"] * lp).sum())
 
 
+def gspo(lp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> LossResult:
+    """GSPO-token (Zheng et al. 2025): ``-sum(min(s_t * A, clip(s_t, lo, hi) * A))`` with
+    ``s_t = exp(mean_M(sg[lp] - q) + lp - sg[lp])``; lp, q, A, sequence_ratio_mask all [T]."""
+    adv = inputs["advantages"]
+    mask = inputs.get("sequence_ratio_mask")
+    in_ratio = (mask != 0) if mask is not None else (adv != 0)
+    diff = lp.detach() - inputs["logprobs"]
+    log_ratio = diff[in_ratio].mean() if bool(in_ratio.any()) else diff.new_zeros(())
+    ratio = torch.exp(log_ratio + lp - lp.detach())
+    lo, hi = _thresholds(inputs, config)
+    objective = torch.minimum(ratio * adv, _clamp(ratio, lo, hi) * adv)
+    return _out(lp, -objective.sum())
+
+
 def dro(lp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> LossResult:
     """``-sum(A * lp - beta/2 * (lp - q)^2)`` (Richemond et al. 2024)."""
     beta = float(config["beta"])
@@ -152,11 +180,21 @@ LOSSES: dict[str, LossDef] = {
         "cispo", cispo, required=_RL, optional=_CLIP_INPUTS,
         config_defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     ),
+    "gspo": LossDef(
+        "gspo", gspo, required=_RL, optional=(*_CLIP_INPUTS, "sequence_ratio_mask"),
+        config_defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    ),
     "dro": LossDef("dro", dro, required=_RL, config_defaults={"beta": 0.05}),
 }
 
 #: loss names of the SDK's LossFnType that this server does not implement.
-UNSUPPORTED = ("gspo", "stable_reinforce", "custom")
+UNSUPPORTED = ("stable_reinforce", "custom")
+_WHY_UNSUPPORTED = {
+    "stable_reinforce": "it trains on sampling-time stability records (record_stability_info) that this "
+                        "server does not keep; train with importance_sampling, ppo, cispo or gspo",
+    "custom": "server-side custom losses are not implemented; forward_backward_custom with a Python "
+              "callable (or a client-side LossHandle) works",
+}
 
 
 def get_loss(loss_fn: str) -> LossDef:
@@ -167,8 +205,9 @@ def get_loss(loss_fn: str) -> LossDef:
     """
     d = LOSSES.get(loss_fn) if isinstance(loss_fn, str) else None
     if d is None:
-        what = "is not supported by this server" if loss_fn in UNSUPPORTED else "is unknown"
-        raise UserError("loss_fn", f"{loss_fn!r} {what}; supported: {', '.join(LOSSES)}")
+        if loss_fn in UNSUPPORTED:
+            raise UserError("loss_fn", f"{loss_fn!r} is not supported by this server: {_WHY_UNSUPPORTED[loss_fn]}")
+        raise UserError("loss_fn", f"{loss_fn!r} is unknown; supported: {', '.join(LOSSES)}")
     return d
 
 

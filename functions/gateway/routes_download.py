@@ -1,0 +1,200 @@
+"""Download URLs for checkpoint files: ``RestClient.get_external_weights_urls``.
+
+``GET /api/v1/training_runs/{run}/checkpoints/{kind}/{name}/external_weights_urls`` (in
+:mod:`functions.gateway.routes_rest`) answers ``{urls: {file: url}, expires}`` with one URL per
+file of the checkpoint (``adapter_model.safetensors``, ``adapter_config.json``, ...). Anyone
+holding a URL can GET the file until ``expires``, with no API key (like a cloud signed URL):
+
+* ``gs://`` storage whose credentials can sign: a GCS V4 signed URL straight to the object.
+* otherwise (``file://`` storage, or GCS credentials that cannot sign, e.g. the emulator):
+  ``<gateway>/download/<run>/<kind>/<name>/<file>?expires=<unix s>&sig=<hex>``, answered by
+  :func:`download` below, which streams the file from storage.
+
+The signature is ``HMAC-SHA256(secret, "<run>/<kind>/<name>/<file>\\n<expires>")`` in hex
+(``<file>`` = ``*archive*`` for the ``.tar`` of a whole checkpoint that older SDKs ask for).
+The secret is ``$OPENRL_DOWNLOAD_SECRET``, or else a random 32-byte secret created once in the
+metadata KV bucket (key ``config.download_secret``), so every gateway replica signs and checks
+with the same one and none keeps private state. The route lives outside ``/api/v1`` because
+the URLs carry no API key; a bad, expired or tampered signature answers 403.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+import secrets
+import time
+from datetime import datetime, timedelta, timezone
+from urllib.parse import quote
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, JSONResponse
+
+from functions.gateway.deps import gw
+from openrl.errors import NotFound, UserError
+from openrl.storage import TinkerPath, check_name
+
+router = APIRouter()
+
+#: lifetime of a download URL (seconds) [OPENRL_DOWNLOAD_TTL_S]
+DEFAULT_TTL_S = 3600
+
+
+def url_ttl_s() -> int:
+    """Seconds a download URL stays valid (``$OPENRL_DOWNLOAD_TTL_S``, default 3600)."""
+    return max(1, int(os.environ.get("OPENRL_DOWNLOAD_TTL_S", str(DEFAULT_TTL_S))))
+
+
+async def _secret(request: Request) -> bytes:
+    """The shared HMAC key: ``$OPENRL_DOWNLOAD_SECRET`` or one random key kept in the KV bucket."""
+    env = os.environ.get("OPENRL_DOWNLOAD_SECRET")
+    if env:
+        return env.encode()
+    cached = getattr(request.app.state, "download_secret", None)
+    if cached:
+        return cached
+    bus = gw(request).bus
+    rec = await bus.meta_get("config", "download_secret")
+    if rec is None:
+        await bus.meta_create({"secret": secrets.token_hex(32)}, "config", "download_secret")
+        rec = await bus.meta_get("config", "download_secret")  # the winner's, if another replica raced us
+    key = str(rec["secret"]).encode()
+    request.app.state.download_secret = key
+    return key
+
+
+def signature(secret: bytes, path: TinkerPath, file: str, expires: int) -> str:
+    """Hex HMAC-SHA256 over ``"<run>/<kind>/<name>/<file>\\n<expires>"``."""
+    msg = f"{path.key}/{file}\n{int(expires)}".encode()
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
+def _public_base(request: Request) -> str:
+    """Base URL clients reach the gateway at: ``$OPENRL_PUBLIC_URL`` or the request's own."""
+    return (os.environ.get("OPENRL_PUBLIC_URL") or str(request.base_url)).rstrip("/")
+
+
+def _gcs_signed_urls(storage, path: TinkerPath, files: list[str], expires: datetime) -> dict[str, str] | None:
+    """V4 signed URLs for a ``gs://`` checkpoint, or None when the credentials cannot sign
+    (no private key / no IAM signBlob, anonymous emulator credentials, any other failure)."""
+    try:
+        prefix = storage._ckpt_prefix(path)
+        return {f: storage.bucket.blob(prefix + f).generate_signed_url(
+            version="v4", expiration=expires, method="GET") for f in files}
+    except Exception:  # noqa: BLE001 - fall back to the gateway's signed route
+        return None
+
+
+async def external_weights_urls(request: Request, path: TinkerPath, manifest: dict) -> dict:
+    """``ExternalWeightsUrlsResponse`` for a checkpoint the caller owns: ``{urls: {file: url},
+    expires: ISO-8601}``.
+
+    Raises:
+        NotFound: the manifest lists no files.
+    """
+    files = sorted(f for f in (manifest.get("files") or {}) if f != "manifest.json")
+    if not files:
+        raise NotFound("checkpoint_id", f"checkpoint {path} has no files")
+    ttl = url_ttl_s()
+    expires_unix = int(time.time()) + ttl
+    expires = datetime.fromtimestamp(expires_unix, tz=timezone.utc)
+    storage = gw(request).storage
+    urls = None
+    if storage.url.startswith("gs://") or type(storage).__name__ == "GCSStorage":
+        urls = await asyncio.to_thread(_gcs_signed_urls, storage, path, files, timedelta(seconds=ttl))
+    if urls is None:
+        key = await _secret(request)
+        base = _public_base(request)
+        urls = {f: f"{base}/download/{quote(path.run_id, safe=':')}/{path.kind}/{quote(path.name, safe=':')}/"
+                   f"{quote(f)}?expires={expires_unix}&sig={signature(key, path, f, expires_unix)}"
+                for f in files}
+    return {"urls": urls, "expires": expires.isoformat().replace("+00:00", "Z")}
+
+
+def _forbidden(detail: str) -> JSONResponse:
+    return JSONResponse(status_code=403, content={"detail": detail, "category": "user", "field": "sig"})
+
+
+@router.get("/download/{run_id}/{kind}/{name}/{file}")
+async def download(run_id: str, kind: str, name: str, file: str, request: Request, expires: int = 0, sig: str = ""):
+    """Stream one checkpoint file to the holder of a signed URL (no API key).
+
+    Answers 403 for a missing / wrong / expired signature, 404 when the checkpoint or file is
+    gone (deleted or expired since the URL was made), else the file as
+    ``application/octet-stream``.
+    """
+    try:
+        path = TinkerPath.parse(f"tinker://{run_id}/{kind}/{name}", field="path")
+        check_name(file, "file")
+    except UserError as exc:
+        return JSONResponse(status_code=404, content={"detail": exc.message, "category": "user", "field": "path"})
+    if not sig or expires < time.time():
+        return _forbidden("download URL expired or unsigned; ask get_external_weights_urls for a new one")
+    want = signature(await _secret(request), path, file, expires)
+    if not hmac.compare_digest(want, sig):
+        return _forbidden("bad download URL signature")
+    g = gw(request)
+    m = await asyncio.to_thread(g.storage.manifest, path)
+    exp = (m or {}).get("expires_unix")
+    if m is None or file not in (m.get("files") or {}) or (exp and exp <= time.time()):
+        return JSONResponse(status_code=404, content={"detail": f"no file {file!r} in {path}", "category": "user",
+                                                      "field": "path"})
+    local = await asyncio.to_thread(g.storage.get_dir, path)
+    return FileResponse(local / file, media_type="application/octet-stream", filename=file)
+
+
+# --------------------------------------------------------------- archive (older SDKs)
+
+ARCHIVE = "*archive*"  # the "file" an archive URL is signed for
+
+
+async def archive_url(request: Request, path: TinkerPath, manifest: dict) -> dict:
+    """``CheckpointArchiveUrlResponse`` ``{url, expires}`` (older SDKs'
+    ``RestClient.get_checkpoint_archive_url``): a signed gateway URL of a ``.tar`` holding the
+    checkpoint's files at its root. Answered as 200 JSON, which those SDKs accept besides a 302."""
+    expires_unix = int(time.time()) + url_ttl_s()
+    key = await _secret(request)
+    url = (f"{_public_base(request)}/download-archive/{quote(path.run_id, safe=':')}/{path.kind}/"
+           f"{quote(path.name, safe=':')}.tar?expires={expires_unix}&sig={signature(key, path, ARCHIVE, expires_unix)}")
+    expires = datetime.fromtimestamp(expires_unix, tz=timezone.utc)
+    return {"url": url, "expires": expires.isoformat().replace("+00:00", "Z")}
+
+
+@router.get("/download-archive/{run_id}/{kind}/{name}.tar")
+async def download_archive(run_id: str, kind: str, name: str, request: Request, expires: int = 0, sig: str = ""):
+    """A ``.tar`` of one checkpoint's files for the holder of a signed archive URL (403 / 404
+    as :func:`download`)."""
+    import shutil
+    import tarfile
+    import tempfile
+
+    from starlette.background import BackgroundTask
+
+    try:
+        path = TinkerPath.parse(f"tinker://{run_id}/{kind}/{name}", field="path")
+    except UserError as exc:
+        return JSONResponse(status_code=404, content={"detail": exc.message, "category": "user", "field": "path"})
+    if not sig or expires < time.time():
+        return _forbidden("archive URL expired or unsigned; ask for a new one")
+    if not hmac.compare_digest(signature(await _secret(request), path, ARCHIVE, expires), sig):
+        return _forbidden("bad archive URL signature")
+    g = gw(request)
+    m = await asyncio.to_thread(g.storage.manifest, path)
+    exp = (m or {}).get("expires_unix")
+    if m is None or (exp and exp <= time.time()):
+        return JSONResponse(status_code=404, content={"detail": f"no checkpoint {path}", "category": "user",
+                                                      "field": "path"})
+    local = await asyncio.to_thread(g.storage.get_dir, path)
+    tmp = tempfile.mkdtemp(prefix="openrl-archive-")
+    out = os.path.join(tmp, f"{name}.tar")
+
+    def build():
+        with tarfile.open(out, "w") as tar:
+            for f in sorted(m.get("files") or {}):
+                tar.add(local / f, arcname=f)
+
+    await asyncio.to_thread(build)
+    return FileResponse(out, media_type="application/x-tar", filename=f"{name}.tar",
+                        background=BackgroundTask(shutil.rmtree, tmp, True))

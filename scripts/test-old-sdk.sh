@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Run the SDK compatibility subset (tests/test_compat_sdk.py) with an older tinker SDK.
+#
+#   bash scripts/test-old-sdk.sh [VERSION ...]      (default: 0.25.0, the oldest 0.25.x)
+#
+# For each VERSION: a venv .venv-sdk-VERSION holds only tinker==VERSION + pytest (no openrl,
+# so nothing of the server can depend on the SDK it talks to); the stack is started from the
+# main .venv with `openrl serve` on a free port and a throw-away state dir; the subset runs
+# with `pytest --noconftest` against it (OPENRL_COMPAT_BASE_URL / OPENRL_COMPAT_API_KEY).
+# Extra pytest arguments go after `--`:  bash scripts/test-old-sdk.sh 0.25.0 -- -x -k rest
+# Set OPENRL_TEST_MODELS to an already-built models dir to skip the model build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VERSIONS=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do VERSIONS+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+[ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(0.25.0)
+
+[ -x .venv/bin/python ] || bash scripts/install.sh
+PY=${PYTHON:-python3}
+STATE=$(mktemp -d "${TMPDIR:-/tmp}/openrl-oldsdk.XXXXXX")
+mkdir -p "$STATE"
+if [ -n "${OPENRL_TEST_MODELS:-}" ]; then ln -s "$OPENRL_TEST_MODELS" "$STATE/models"; fi
+PORT=$(.venv/bin/python -c 'from openrl.embedded import free_port; print(free_port())')
+TINKER_TELEMETRY=0 .venv/bin/openrl serve --port "$PORT" --state-dir "$STATE" >"$STATE/serve.log" 2>&1 &
+SERVE=$!
+cleanup() { kill -INT "$SERVE" 2>/dev/null || true; wait "$SERVE" 2>/dev/null || true; rm -rf "$STATE"; }
+trap cleanup EXIT
+for _ in $(seq 1 300); do
+  if .venv/bin/python -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$PORT/api/v1/healthz').status_code != 200)" 2>/dev/null; then break; fi
+  kill -0 "$SERVE" 2>/dev/null || { cat "$STATE/serve.log"; echo "openrl serve exited" >&2; exit 1; }
+  sleep 1
+done
+export OPENRL_COMPAT_BASE_URL="http://127.0.0.1:$PORT" OPENRL_COMPAT_API_KEY="$(cat "$STATE/api_key")"
+export TINKER_TELEMETRY=0 HF_HUB_OFFLINE=1
+
+TORCH=$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')
+rc=0
+for V in "${VERSIONS[@]}"; do
+  VENV=".venv-sdk-$V"
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  # torch for forward_backward_custom (client-side), the same CPU build as the main venv
+  # (installing it first keeps pip from resolving a CUDA build, as in scripts/install.sh)
+  "$VENV/bin/python" -m pip install -q "torch==$TORCH" >/dev/null
+  "$VENV/bin/python" -m pip install -q "tinker==$V" "pytest>=8" "pytest-timeout>=2.3" >/dev/null
+  echo "== tests/test_compat_sdk.py with tinker $("$VENV/bin/python" -c 'import tinker; print(tinker.__version__)')"
+  "$VENV/bin/python" -m pytest --noconftest -p no:cacheprovider -q -ra "$ROOT/tests/test_compat_sdk.py" "$@" || rc=$?
+done
+exit $rc
