@@ -23,9 +23,14 @@ When:
   with ``final: true`` in the pointer;
 - every ``OPENRL_FLUSH_INTERVAL_S`` seconds (default 120; 0 disables): runs whose cursor
   moved since their last flush ("dirty");
+- once at creation when periodic flushes are on (cursor 1), so a run is restorable from
+  its first request on;
 - never per request (a hard crash loses what happened after the last flush; those
-  requests' futures were already answered, so later seq_ids of that run fail with the
-  scheduler's gap timeout, a clear failed future).
+  requests' futures were already answered, so later seq_ids of that run fail after the
+  scheduler's gap timeout, with category "server" when the gap is at the cursor of a
+  restore from a periodic flush: ``crash_restored``, ``TrainerFunction._gap_error``).
+  Requests the crashed trainer had not answered are redelivered and applied once on the
+  restored state (docs/errors.md, "Faults").
 
 Restore: the first request of a run this trainer does not hold reads the pointer and the
 snapshot and installs the run at its cursor. A redelivered request with seq_id below the
@@ -123,6 +128,9 @@ class RunDurability:
         self.tokens: dict[str, str | None] = {}  # model_id -> pointer token (None: no pointer yet)
         self.flushed: dict[str, int] = {}  # model_id -> cursor of the last flush
         self.in_flight: dict[str, set[int]] = {}  # model_id -> seq_ids whose handler has not returned
+        # model_id -> cursor of a restore from a periodic (not final) flush: the previous trainer
+        # may have died after applying requests it never flushed (see TrainerFunction._gap_error)
+        self.crash_restored: dict[str, int] = {}
         self.flushes = 0  # snapshots written by this process (tests, metrics)
         self._run_locks: dict[str, asyncio.Lock] = {}
         self._stop = asyncio.Event()
@@ -328,6 +336,10 @@ class RunDurability:
                 q.done[int(s)] = decode_result(rec)
         self.tokens[model_id] = rs.token
         self.flushed[model_id] = cursor
+        if info.get("final"):
+            self.crash_restored.pop(model_id, None)
+        else:
+            self.crash_restored[model_id] = cursor
         log.info("restored run state of %s at cursor %d (flushed by %s)", model_id, cursor, info.get("flushed_by"))
 
     @staticmethod
@@ -354,4 +366,5 @@ class RunDurability:
         self.tokens.pop(model_id, None)
         self.flushed.pop(model_id, None)
         self.in_flight.pop(model_id, None)
+        self.crash_restored.pop(model_id, None)
         await asyncio.to_thread(self.storage.delete_run_state, model_id)

@@ -21,8 +21,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from openrl import events, proto
-from openrl.errors import NotFound, UserError
+from openrl import events, proto, testhooks
+from openrl.errors import NotFound, ServerError, UserError
 from openrl.registry import ModelRegistry
 from openrl.storage import CheckpointExists, TinkerPath, build_manifest, open_storage
 
@@ -71,7 +71,7 @@ class TrainerFunction:
             self._run_packed, self._run_single, lambda mid: self.run_base.get(mid, ""),
             gap_timeout_s=float(cfg.get("gap_timeout_s") or os.environ.get("OPENRL_SEQ_GAP_TIMEOUT_S", "300")),
             max_ahead=int(cfg.get("max_seq_ahead") or os.environ.get("OPENRL_MAX_SEQ_AHEAD", "10000")),
-            on_pass=self._account,
+            on_pass=self._account, gap_error=self._gap_error,
         )
         self.durable = RunDurability.from_cfg(self, self.storage, cfg)
         self.scheduler.start()
@@ -182,7 +182,18 @@ class TrainerFunction:
                 if data.get("create"):
                     return {"model_id": model_id, "path": data.get("path")}
                 return {"model_id": model_id, "type": "create_model"}
-            return await self._create_locked(model_id, data)
+            result = await self._create_locked(model_id, data)
+        if self.durable.interval_s > 0:
+            # with periodic flushes on, a run is restorable from its creation: a trainer crash
+            # before the first periodic flush then restores it at cursor 1 (and its later
+            # requests fail with category "server", see _gap_error) instead of "not loaded"
+            try:
+                await self.durable.flush_run(model_id)
+            except Exception:  # noqa: BLE001 - the periodic flush retries; the create itself succeeded
+                import logging
+
+                logging.getLogger("openrl.trainer").exception("run state of %s not flushed at creation", model_id)
+        return result
 
     async def _create_locked(self, model_id: str, data: dict) -> dict:
         from openrl.lora import LoraSpec
@@ -219,6 +230,24 @@ class TrainerFunction:
             await self.durable.forget(model_id)  # an unloaded run is not restored
         return {"model_id": model_id, "type": "unload_model"}
 
+    def _gap_error(self, model_id: str, seq_id: int, missing: int) -> BaseException | None:
+        """The failure of ``seq_id`` whose predecessor ``missing`` never arrived (gap timeout).
+
+        When this trainer restored the run from a periodic (not final) flush at cursor
+        ``missing`` and nothing has run since, the previous trainer died (SIGKILL, OOM, node
+        loss) after applying and answering requests from ``missing`` on that it had not
+        flushed: their effect is lost and cannot be replayed, so the request fails with
+        category "server". Otherwise None (the scheduler's "user" gap error).
+        """
+        lost_at = self.durable.crash_restored.get(model_id)
+        if lost_at is None or lost_at != missing:
+            return None
+        return ServerError(
+            f"seq_id {seq_id} of {model_id} cannot run: the trainer that held the run stopped without "
+            f"flushing its state; it was restored at seq_id {missing} from its last flush (at creation or "
+            f"periodic, OPENRL_FLUSH_INTERVAL_S), and the requests from seq_id {missing} on that the lost "
+            "trainer had applied are gone. Continue from a saved checkpoint (create_training_client_from_state).")
+
     def _account(self, items: list[Pending], seconds: float) -> None:
         """Usage metrics of one scheduler pass: tokens per op and device seconds per owner."""
         from openrl import metrics
@@ -243,6 +272,8 @@ class TrainerFunction:
             ))
         async with self._lock:
             results = await asyncio.to_thread(engine.forward_backward, work)
+            if testhooks.enabled():  # tests only: hold with the pass applied, cursor not moved
+                await asyncio.to_thread(testhooks.hold, "computed:forward_backward")
         out = []
         for r in results:
             if r.error is not None:

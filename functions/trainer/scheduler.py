@@ -61,14 +61,20 @@ class Scheduler:
         max_ahead: a request of a known run whose seq_id is more than this many past the
             run's next expected seq_id fails at once (UserError on ``seq_id``) instead of
             being held: nothing the SDK sends gets that far ahead, and held requests cost memory.
+        gap_error: ``(model_id, seq_id, missing_seq_id) -> exception | None``: the failure of a
+            request whose predecessor never arrived; None (or no callable) gives the default
+            UserError on ``seq_id`` (the trainer answers "server" when the gap is work lost
+            in a trainer crash, see ``TrainerFunction._gap_error``).
     """
 
     def __init__(self, run_packed: Callable[[list[Pending]], Awaitable[list]], run_single: Callable[[Pending], Awaitable],
                  group_of: Callable[[str], str], *, gap_timeout_s: float = 300.0, window_s: float = 0.002,
                  keep_done: int = 64, max_ahead: int = 10_000,
-                 on_pass: Callable[[list[Pending], float], None] | None = None):
+                 on_pass: Callable[[list[Pending], float], None] | None = None,
+                 gap_error: Callable[[str, int, int], BaseException | None] | None = None):
         self.run_packed, self.run_single, self.group_of = run_packed, run_single, group_of
         self.on_pass = on_pass
+        self.gap_error = gap_error
         self.gap_timeout_s, self.window_s, self.keep_done = gap_timeout_s, window_s, keep_done
         self.max_ahead = max_ahead
         self.runs: dict[str, RunQueue] = {}
@@ -136,7 +142,13 @@ class Scheduler:
                     if now - p.arrived > self.gap_timeout_s:
                         del q.pending[p.seq_id]
                         if not p.future.done():
-                            p.future.set_exception(UserError(
+                            exc = None
+                            if self.gap_error is not None:
+                                try:
+                                    exc = self.gap_error(mid, p.seq_id, q.next_seq)
+                                except Exception as e:  # noqa: BLE001 - never leave the request hanging
+                                    exc = e
+                            p.future.set_exception(exc or UserError(
                                 "seq_id", f"seq_id {p.seq_id} waited {self.gap_timeout_s:.0f}s for seq_id "
                                 f"{q.next_seq} of {mid}, which never arrived"))
         return packs, singles

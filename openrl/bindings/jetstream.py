@@ -15,7 +15,7 @@ import logging
 
 from nats.errors import TimeoutError as NatsTimeout
 
-from openrl import events, tracing
+from openrl import events, testhooks, tracing
 from openrl.bindings import handle_event
 from openrl.bus import Bus, FutureRecord
 
@@ -55,7 +55,8 @@ class JetStreamWorker:
         stream / durable / filter_subject: the JetStream consumer to bind.
         source: CloudEvent ``source`` of result events (e.g. ``/openrl/trainer``).
         concurrency: maximum requests in flight in this process.
-        in_progress_s: interval of in-progress acks (seconds).
+        in_progress_s: interval of in-progress acks (seconds); at most a third of the bus's
+            ack wait, so a live worker's request is never redelivered.
     """
 
     def __init__(self, function, bus: Bus, *, stream: str, durable: str, filter_subject: str, source: str,
@@ -65,7 +66,7 @@ class JetStreamWorker:
         self.stream, self.durable, self.filter_subject = stream, durable, filter_subject
         self.source = source
         self.sem = asyncio.Semaphore(concurrency)
-        self.in_progress_s = in_progress_s
+        self.in_progress_s = min(in_progress_s, bus.ack_wait_s / 3)
         self._tasks: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
 
@@ -100,6 +101,9 @@ class JetStreamWorker:
                 log.error("dropping a message that is not a CloudEvent: %s", exc)
                 await msg.term()
                 return
+            if testhooks.enabled():  # tests only: OPENRL_TEST_HOLD_FILE (openrl/testhooks.py)
+                parts = str(event.get_type()).split(".")  # dev.openrl.<op>.v1
+                await testhooks.hold_async("handle:" + (parts[2] if len(parts) == 4 else ""))
             await handle_event(self.function, event, source=self.source,
                                deliver=lambda result: store_result(self.bus, result))
             await msg.ack()
@@ -118,8 +122,8 @@ class JetStreamWorker:
             await asyncio.sleep(self.in_progress_s)
             try:
                 await msg.in_progress()
-            except Exception:  # noqa: BLE001
-                return
+            except Exception as exc:  # noqa: BLE001 - e.g. NATS restarting: keep ticking, it reconnects
+                log.debug("in-progress ack failed (retrying): %s", exc)
 
     async def stop(self, drain_s: float = 30.0) -> None:
         """Stop fetching and wait up to ``drain_s`` seconds for requests in flight."""
