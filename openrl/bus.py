@@ -92,14 +92,20 @@ class Bus:
 
     Args:
         url: NATS server URL (``nats://127.0.0.1:4222``); default ``$OPENRL_NATS_URL``.
-        ack_wait_s: JetStream ack wait of the work consumers (seconds); workers send
-            in-progress acks while a request runs, so this only bounds how long a dead
-            worker's request waits before redelivery.
+        ack_wait_s: JetStream ack wait of the work consumers (seconds; default
+            ``$OPENRL_ACK_WAIT_S``, else 30); workers send in-progress acks while a request
+            runs, so this only bounds how long a dead worker's request waits before
+            redelivery. It is fixed when a consumer is first created (a later worker with
+            another value binds the existing consumer unchanged).
     """
 
-    def __init__(self, url: str | None = None, *, ack_wait_s: float = 30.0, max_deliver: int = 5):
+    def __init__(self, url: str | None = None, *, ack_wait_s: float | None = None, max_deliver: int = 5):
         self.url = url or os.environ.get("OPENRL_NATS_URL", "nats://127.0.0.1:4222")
-        self.ack_wait_s = ack_wait_s
+        if ack_wait_s is None:
+            ack_wait_s = float(os.environ.get("OPENRL_ACK_WAIT_S", "30"))
+        if not ack_wait_s > 0:
+            raise ValueError(f"ack_wait_s (OPENRL_ACK_WAIT_S) must be > 0 seconds, got {ack_wait_s}")
+        self.ack_wait_s = float(ack_wait_s)
         self.max_deliver = max_deliver
         self.nc: nats.NATS | None = None
         self.js = None
@@ -132,11 +138,16 @@ class Bus:
         return self
 
     async def _bucket(self, name: str):
+        """Bind a KV bucket, creating it if missing. ``OPENRL_FUTURES`` entries expire after
+        ``$OPENRL_FUTURES_TTL_S`` seconds (default 7 days; 0 = never) so the bucket does not
+        grow without bound under load; the TTL is set when the bucket is created."""
         try:
             return await self.js.key_value(name)
         except BucketNotFoundError:
+            ttl = float(os.environ.get("OPENRL_FUTURES_TTL_S", str(7 * 86400))) if name == FUTURES_BUCKET else 0
             return await self.js.create_key_value(
-                api.KeyValueConfig(bucket=name, history=1, storage=api.StorageType.FILE, max_value_size=-1)
+                api.KeyValueConfig(bucket=name, history=1, storage=api.StorageType.FILE, max_value_size=-1,
+                                   ttl=ttl or None)
             )
 
     async def close(self) -> None:
@@ -273,34 +284,45 @@ class FutureWaiter:
         self.listeners: list = []
 
     async def start(self) -> None:
-        self._watcher = await self.bus.futures.watchall(include_history=False, ignore_deletes=True)
-        self._task = asyncio.create_task(self._run())
+        """Subscribe to new updates of the futures bucket (an ordered push consumer that
+        starts at the next message: unlike ``KeyValue.watchall``, a replica does not replay
+        the newest value of every future ever made when it starts)."""
+        from nats.js.api import DeliverPolicy
 
-    async def _run(self) -> None:
-        async for entry in self._watcher:
-            if entry is None or entry.value is None:
-                continue
+        prefix = f"$KV.{FUTURES_BUCKET}."
+
+        async def on_msg(msg) -> None:
+            op = (msg.headers or {}).get("KV-Operation")
+            if op in ("DEL", "PURGE") or not msg.data:
+                return
+            self._on_update(msg.subject[len(prefix):], msg.data)
+
+        self._watcher = await self.bus.js.subscribe(
+            prefix + ">", stream=f"KV_{FUTURES_BUCKET}", cb=on_msg, ordered_consumer=True,
+            deliver_policy=DeliverPolicy.NEW, inactive_threshold=300.0)
+
+    def _on_update(self, key: str, value: bytes) -> None:
+        try:
+            rid = kv_key_decode(key)[0]
+        except Exception:  # noqa: BLE001
+            return
+        evs = self._waiters.get(rid)
+        if evs:
+            self._latest[rid] = value
+            for ev in evs:
+                ev.set()
+        for fn in self.listeners:
             try:
-                rid = kv_key_decode(entry.key)[0]
-            except Exception:  # noqa: BLE001
-                continue
-            evs = self._waiters.get(rid)
-            if evs:
-                self._latest[rid] = entry.value
-                for ev in evs:
-                    ev.set()
-            for fn in self.listeners:
-                try:
-                    fn(rid, entry.value)
-                except Exception:  # noqa: BLE001 - a listener never stops the watcher
-                    pass
+                fn(rid, value)
+            except Exception:  # noqa: BLE001 - a listener never stops the watcher
+                pass
 
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
         if self._watcher:
             try:
-                await self._watcher.stop()
+                await self._watcher.unsubscribe()
             except Exception:  # noqa: BLE001
                 pass
 

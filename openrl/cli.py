@@ -5,6 +5,8 @@ Subcommands::
     openrl models build [--dir DIR] [--seed N] [--force] [--quiet]
     openrl models list
     openrl serve [--host H] [--port P] [--storage URL] [--no-build]
+    openrl status [--base-url URL] [--api-key KEY] [--json]
+    openrl runs list [--limit N] / openrl checkpoints list RUN
 
 ``--state-dir DIR`` (default ``$OPENRL_HOME`` or ``~/.openrl``) is accepted before or after
 the subcommand; handlers receive it resolved to an absolute path in ``args.state_dir``.
@@ -152,6 +154,13 @@ def _configure_run(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--no-build", action="store_true")
     p.add_argument("--push", action="store_true", help="functions as HTTP receivers behind a local dispatcher")
     p.set_defaults(func=_cmd_run)
+
+
+# -- status, runs, checkpoints (openrl/cli_status.py: REST clients of a gateway) -------------
+
+from openrl import cli_status  # noqa: E402
+
+command(cli_status.configure)
 
 
 # -- entry point ----------------------------------------------------------------------------

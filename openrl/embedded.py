@@ -7,7 +7,11 @@ Everything lives under a state directory (default ``~/.openrl``):
     <state>/models/tiny-qwen3   the built offline model (built on first start)
     <state>/nats                JetStream file storage (reused by the next start)
     <state>/storage             checkpoints (file:// storage)
-    <state>/api_key             the generated ``tml-`` API key the examples read
+    <state>/ports.json          gateway / NATS URLs and every process's Prometheus /metrics URL
+    <state>/logs                one JSON-lines log per process (openrl/logs.py)
+    <state>/api_key             the generated ``tml-`` API key the examples read; the gateway
+                                accepts it (plus any OPENRL_API_KEYS / OPENRL_API_KEYS_FILE
+                                entries) and nothing else (see openrl/auth.py)
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ class Stack:
     procs: list[subprocess.Popen] = field(default_factory=list)
     push: bool = False  # functions as HTTP receivers fed by a local dispatcher (the Knative Eventing path)
     extra_env: dict[str, str] = field(default_factory=dict)  # e.g. STORAGE_EMULATOR_HOST
+    metrics_urls: dict[str, str] = field(default_factory=dict)  # process name -> its Prometheus /metrics URL
 
     @property
     def base_url(self) -> str:
@@ -108,6 +113,22 @@ class Stack:
     @property
     def nats_url(self) -> str:
         return f"nats://127.0.0.1:{self.nats_port}"
+
+    @property
+    def api_key(self) -> str:
+        """The stack's API key (``<state>/api_key``, generated on first use)."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        return api_key(self.state_dir)
+
+    def gateway_env(self, env: dict[str, str]) -> dict[str, str]:
+        """The gateway's environment: ``OPENRL_API_KEYS`` = the stack's key plus any entries
+        already in ``OPENRL_API_KEYS`` (environment or ``extra_env``; ``OPENRL_API_KEYS_FILE``
+        passes through), and the internal token of the ``/events/*`` sinks."""
+        keys = [self.api_key] + [k for k in env.get("OPENRL_API_KEYS", "").split(",") if k.strip()]
+        out = {**env, "OPENRL_API_KEYS": ",".join(keys)}
+        if getattr(self, "_internal_token", None):  # set by start()
+            out["OPENRL_INTERNAL_TOKEN"] = self._internal_token
+        return out
 
     def env(self) -> dict[str, str]:
         """Environment for the stack's processes."""
@@ -142,6 +163,7 @@ class Stack:
         self.nats_port = self.nats_port or free_port()
         self.procs.append(start_nats(self.state_dir, self.nats_port))
         env = self.env()
+        self._internal_token = secrets.token_urlsafe(24)  # /events/* sinks: gateway and dispatcher only
         logs = self.state_dir / "logs"
         logs.mkdir(exist_ok=True)
         routes = []
@@ -153,19 +175,33 @@ class Stack:
                 cmd = [sys.executable, "-m", "openrl.bindings.http", module, "--host", "127.0.0.1", "--port", str(port)]
                 routes += ["--route", f"{name}=http://127.0.0.1:{port}"]
             else:
-                cmd = [sys.executable, "-m", "openrl.worker", module, "--nats", self.nats_url]
-            self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+                port = free_port()  # the worker's Prometheus /metrics
+                cmd = [sys.executable, "-m", "openrl.worker", module, "--nats", self.nats_url, "--metrics-port", str(port)]
+            self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
+            self.procs.append(subprocess.Popen(cmd, env={**env, "OPENRL_METRICS_HOST": "127.0.0.1"}, stdout=log,
+                                               stderr=subprocess.STDOUT))
         if self.push:
             dlog = open(logs / "dispatcher.log", "ab")
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "openrl.bindings.dispatcher", "--nats", self.nats_url,
-                 "--gateway", self.base_url, *routes], env=env, stdout=dlog, stderr=subprocess.STDOUT))
+                 "--gateway", self.base_url, *routes], env={**env, "OPENRL_INTERNAL_TOKEN": self._internal_token},
+                stdout=dlog, stderr=subprocess.STDOUT))
         glog = open(logs / "gateway.log", "ab")
         self.procs.append(subprocess.Popen(
             [sys.executable, "-m", "functions.gateway", "--host", self.host, "--port", str(self.port)],
-            env=env, stdout=glog, stderr=subprocess.STDOUT))
+            env=self.gateway_env(env), stdout=glog, stderr=subprocess.STDOUT))
+        self.metrics_urls["gateway"] = f"{self.base_url}/metrics"
+        self.write_ports()
         self._wait_healthy()
         return self
+
+    def write_ports(self) -> Path:
+        """Write ``<state>/ports.json``: ``{"gateway": URL, "nats": URL, "metrics": {name: URL}}``
+        (where ``openrl status`` and Prometheus find the processes). Returns its path."""
+        f = self.state_dir / "ports.json"
+        f.write_text(json.dumps({"gateway": self.base_url, "nats": self.nats_url, "metrics": self.metrics_urls},
+                                indent=2) + "\n")
+        return f
 
     def _wait_healthy(self, timeout_s: float = 120.0) -> None:
         import httpx

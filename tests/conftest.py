@@ -28,11 +28,19 @@ def models_dir(tmp_path_factory) -> Path:
     return d
 
 
+_SESSION_KEY = "tml-test-" + __import__("secrets").token_urlsafe(18)
+
+
 def _make_stack(tmp_path_factory, models_dir: Path, **kw):
+    """A Stack in a fresh state dir; its <state>/api_key is the session's shared test key, so
+    every test stack accepts the ``api_key`` fixture."""
     from openrl.embedded import Stack, free_port
 
     state = tmp_path_factory.mktemp("state")
     (state / "models").symlink_to(models_dir, target_is_directory=True)
+    (state / "api_key").write_text(_SESSION_KEY + "\n")
+    # every process appends its finished trace spans here (openrl/tracing.py; tests/test_tracing.py)
+    kw["extra_env"] = {"OPENRL_TRACE_FILE": str(state / "traces.jsonl"), **kw.get("extra_env", {})}
     return Stack(state_dir=state, port=free_port(), **kw)
 
 
@@ -76,8 +84,9 @@ def sdk_stack(request, tmp_path_factory, models_dir):
 
 
 @pytest.fixture(scope="session")
-def api_key() -> str:
-    return "tml-test-key-one"
+def api_key(stack) -> str:
+    """The embedded stack's API key (<state>/api_key; the same for every stack of the session)."""
+    return stack.api_key
 
 
 @pytest.fixture(scope="session")
@@ -95,3 +104,4 @@ def tokenizer(service):
 
 
 from fixtures_gcs import gcs_emulator  # noqa: E402,F401  (session fixture: a GCS emulator on 127.0.0.1)
+from fixtures_keys import keyed_stack, keys  # noqa: E402,F401  (session fixtures: a stack with 3 API keys)

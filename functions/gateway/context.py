@@ -8,18 +8,20 @@ number of gateway replicas can serve the same SDK client.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from openrl import events
-from openrl.bus import Bus, FutureWaiter, sample_subject, train_subject
+from openrl import events, metrics, tracing
+from openrl.bus import SAMPLE_STREAM, TRAIN_STREAM, Bus, FutureWaiter, sample_subject, train_subject
 from openrl.errors import NotFound, UserError
 from openrl.registry import ModelRegistry
 from openrl.storage import Storage
+
+
+SAMPLER_CACHE_S = 60.0  # how long a replica reuses a sampling-session record (seconds)
 
 
 @dataclass
@@ -31,14 +33,23 @@ class GatewaySettings:
     trainer_shards: number of trainer shards; a training run's requests all go to
         shard ``crc32(model_id) % trainer_shards`` [OPENRL_TRAINER_SHARDS].
     max_num_samples / max_tokens_limit: per-request sampling limits.
-    max_body_bytes: largest accepted request body (bytes).
+    max_body_bytes: largest accepted request body (bytes; larger ones get 413) [OPENRL_MAX_BODY_BYTES].
+    max_pending_samples / max_pending_train: backpressure. When the OPENRL_SAMPLE (resp.
+        OPENRL_TRAIN) stream holds this many requests not yet answered (queued or running),
+        new requests get 429 with ``Retry-After``; 0 disables the check
+        [OPENRL_MAX_PENDING_SAMPLES, OPENRL_MAX_PENDING_TRAIN].
+    pending_refresh_s: how often the stream depth is read from JetStream (seconds); in
+        between, this replica's own publishes are added to the last reading.
     """
 
     long_poll_s: float = float(os.environ.get("OPENRL_LONG_POLL_S", "25"))
     trainer_shards: int = int(os.environ.get("OPENRL_TRAINER_SHARDS", "1"))
     max_num_samples: int = 128
     max_tokens_limit: int = 4096
-    max_body_bytes: int = 64 * 1024 * 1024
+    max_body_bytes: int = int(os.environ.get("OPENRL_MAX_BODY_BYTES", str(64 * 1024 * 1024)))
+    max_pending_samples: int = int(os.environ.get("OPENRL_MAX_PENDING_SAMPLES", "10000"))
+    max_pending_train: int = int(os.environ.get("OPENRL_MAX_PENDING_TRAIN", "10000"))
+    pending_refresh_s: float = 0.2
     fwdbwd_max_chunk_len: int = 1024
     heartbeat_expiry_s: float = 600.0
     k_sink: str | None = os.environ.get("K_SINK")  # Knative SinkBinding: POST request events to the Broker
@@ -53,14 +64,20 @@ class Gateway:
     storage: Storage
     settings: GatewaySettings = field(default_factory=GatewaySettings)
     waiter: FutureWaiter | None = None
+    keys: object | None = None  # openrl.auth.KeyRing, set by create_app
+    rejected: dict[str, int] = field(default_factory=dict)  # stream -> 429s answered (this replica)
+    _depth: dict[str, list] = field(default_factory=dict)  # stream -> [messages, monotonic time read]
+    _samplers: dict[str, tuple] = field(default_factory=dict)  # sampler id -> (record, monotonic time read)
     _vocab: dict[str, int] = field(default_factory=dict)
     _http: object | None = None
 
     # ----- identity ---------------------------------------------------------------
     @staticmethod
     def owner_of(api_key: str | None) -> str:
-        """A stable, non-reversible owner id for an API key (sha256 prefix)."""
-        return hashlib.sha256((api_key or "").encode()).hexdigest()[:16]
+        """A stable, non-reversible owner id for an API key (sha256 prefix; see :mod:`openrl.auth`)."""
+        from openrl.auth import owner_of
+
+        return owner_of(api_key)
 
     def shard_of(self, model_id: str) -> int:
         """Trainer shard of a training run: crc32(model_id) mod trainer_shards."""
@@ -90,10 +107,91 @@ class Gateway:
         return rec
 
     async def sampler(self, sampler_id: str, owner: str) -> dict:
-        rec = await self.bus.meta_get("sampler", sampler_id)
+        """The sampling-session record, or NotFound (also for another key's session).
+
+        Records are immutable once written, so each replica keeps them for
+        ``SAMPLER_CACHE_S`` seconds: a busy sampler costs one metadata read a minute, not
+        one per ``asample``.
+        """
+        import time
+
+        hit = self._samplers.get(sampler_id)
+        if hit is not None and time.monotonic() - hit[1] < SAMPLER_CACHE_S:
+            rec = hit[0]
+        else:
+            rec = await self.bus.meta_get("sampler", sampler_id)
+            if rec is not None:
+                if len(self._samplers) >= 10_000:
+                    self._samplers.clear()
+                self._samplers[sampler_id] = (rec, time.monotonic())
         if rec is None or rec.get("owner") != owner:
             raise NotFound("sampling_session_id", f"unknown sampling session {sampler_id!r}")
         return rec
+
+    def body_limit(self) -> int:
+        """Largest request body that can be accepted and published (bytes): the configured
+        ``max_body_bytes``, and under the NATS server's ``max_payload`` (less 64 KiB for the
+        event headers) so that an accepted request can always be published."""
+        limit = self.settings.max_body_bytes
+        mp = getattr(getattr(self.bus, "nc", None), "max_payload", 0) or 0
+        if mp > 0 and not self.settings.k_sink:
+            limit = min(limit, mp - 64 * 1024)
+        return limit
+
+    # ----- backpressure -----------------------------------------------------------
+    def _limit_of(self, stream: str) -> int:
+        from openrl.bus import SAMPLE_STREAM
+
+        s = self.settings
+        return s.max_pending_samples if stream == SAMPLE_STREAM else s.max_pending_train
+
+    async def over_limit(self, stream: str) -> bool:
+        """Whether ``stream`` (``OPENRL_SAMPLE`` / ``OPENRL_TRAIN``) holds at least its limit of
+        unanswered requests.
+
+        The depth is JetStream's message count of the work-queue stream (queued plus running:
+        a message leaves the stream when its worker acks it, after the result is stored), so
+        every gateway replica sees the same queue. It is read at most every
+        ``pending_refresh_s`` seconds; in between, this replica's own publishes are added.
+        Always False when the limit is 0 or requests go to a Knative Broker (``K_SINK``).
+        """
+        limit = self._limit_of(stream)
+        if limit <= 0 or self.settings.k_sink:
+            return False
+        import time
+
+        now = time.monotonic()
+        d = self._depth.get(stream)
+        if d is None or now - d[1] > self.settings.pending_refresh_s:
+            if d is None:
+                d = self._depth[stream] = [0, now]
+            d[1] = now  # concurrent callers use the previous reading meanwhile
+            try:
+                info = await self.bus.js.stream_info(stream)
+                d[0] = int(info.state.messages)
+            except Exception:  # noqa: BLE001 - no reading: keep the last one (admit)
+                pass
+        return d[0] >= limit
+
+    async def admit(self, stream: str, request_id: str) -> None:
+        """Backpressure check before publishing ``request_id`` on ``stream``.
+
+        A request whose future already exists is a resend (e.g. after an earlier 429 that
+        was in fact accepted, or an HTTP retry) and is always admitted, so it gets the same
+        future back.
+
+        Raises:
+            Overloaded: the stream is at its limit (HTTP 429, ``Retry-After: 1``).
+        """
+        from openrl.errors import Overloaded
+
+        if not await self.over_limit(stream):
+            return
+        if await self.bus.future_get(request_id) is not None:
+            return
+        self.rejected[stream] = self.rejected.get(stream, 0) + 1
+        raise Overloaded(f"{stream} holds {self._depth[stream][0]} unanswered requests "
+                         f"(limit {self._limit_of(stream)}); retry later", retry_after=1.0)
 
     # ----- publishing -------------------------------------------------------------
     async def submit(
@@ -108,12 +206,20 @@ class Gateway:
     ) -> bool:
         """Record a pending future and publish its request event.
 
-        A request id that already exists is a retried duplicate: nothing is published
-        again and False is returned (the caller answers with the same future).
+        A request id that already exists is a retried duplicate: False is returned (the
+        caller answers with the same future). Its event is published again only while its
+        future is still pending: the first attempt may have recorded the future and then
+        failed to publish (NATS restarting); the copy carries the same ``Nats-Msg-Id``, so
+        JetStream drops it when the first did land (120 s duplicate window), and a later
+        duplicate is harmless (the trainer skips seq_ids it applied; a sample is re-run).
         """
         created = await self.bus.future_create(request_id, op, meta=future_meta)
         if not created:
-            return False
+            if self.settings.k_sink:  # the sink path forgets a future whose publish failed
+                return False
+            old = await self.bus.future_get(request_id)
+            if old is None or old.state != "pending":
+                return False
         ext = {}
         if op in events.TRAIN_OPS:
             shard = (model or {}).get("shard", 0)
@@ -121,13 +227,33 @@ class Gateway:
             subject_nats = train_subject(shard, op)
         else:
             subject_nats = sample_subject(op)
+        owner_id = (future_meta or {}).get("owner") or (model or {}).get("owner")
+        if owner_id:
+            ext["owner"] = owner_id  # the owner id (never the key): per-key usage metrics in the workers
+        # observability: a "publish <op>" span whose context rides in the event's traceparent;
+        # it ends when the result lands (openrl.metrics.FutureTracker), timing the future
+        span = tracing.start_span(f"publish {op}", kind="producer", attributes={
+            "cloudevents.event_id": request_id, "cloudevents.event_type": events.event_type(op),
+            "cloudevents.event_subject": subject, "messaging.system": "nats",
+            "messaging.destination.name": subject_nats})
+        ext.update(tracing.carrier(span))
         ev = events.request_event(op, request_id, subject, data, extensions=ext)
         headers, body = events.to_headers_body(ev)
-        if self.settings.k_sink:
-            await self._post_to_sink(headers, body)
-        else:
-            await self.bus.publish(subject_nats, headers, body, msg_id=request_id)
-        return True
+        try:
+            if self.settings.k_sink:
+                await self._post_to_sink(headers, body)
+            else:
+                await self.bus.publish(subject_nats, headers, body, msg_id=request_id)
+                d = self._depth.get(TRAIN_STREAM if op in events.TRAIN_OPS else SAMPLE_STREAM)
+                if d is not None:
+                    d[0] += 1
+        except BaseException as exc:
+            if span is not None:
+                tracing.mark_error(span, f"publish failed: {exc}")
+                span.end()
+            raise
+        metrics.FUTURES.track(request_id, op, span)
+        return created
 
     async def _post_to_sink(self, headers: dict[str, str], body: bytes) -> None:
         """Deliver a request event to the Knative Broker (``K_SINK``) in binary mode.
@@ -163,6 +289,12 @@ class Gateway:
             return old
 
         await self.bus.meta_update(upd, "model", model_id)
+
+
+class BodyTooLarge(UserError):
+    """A request body over the gateway's limit (HTTP 413, field ``body``)."""
+
+    status = 413
 
 
 def require(cond: bool, field_name: str, message: str) -> None:

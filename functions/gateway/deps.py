@@ -8,7 +8,7 @@ from typing import TypeVar
 import pydantic
 from fastapi import Request
 
-from functions.gateway.context import Gateway
+from functions.gateway.context import BodyTooLarge, Gateway
 from openrl.errors import UserError
 
 M = TypeVar("M", bound=pydantic.BaseModel)
@@ -19,20 +19,36 @@ def gw(request: Request) -> Gateway:
     return request.app.state.gw
 
 
+def caller(request: Request):
+    """The :class:`openrl.auth.Caller` of a request, checked by the gateway's ``EdgeMiddleware``
+    (every ``/api/v1`` route but ``healthz``; a request without a valid key never gets here)."""
+    from openrl.auth import Caller
+
+    c = request.scope.get("state", {}).get("caller")
+    return c if c is not None else Caller(Gateway.owner_of(request.headers.get("x-api-key")))
+
+
 def owner(request: Request) -> str:
-    """Owner id of the caller's API key (``X-API-Key`` header, any case)."""
-    return Gateway.owner_of(request.headers.get("x-api-key"))
+    """Owner id of the caller's API key (``X-API-Key`` header): sha256(key)[:16] hex."""
+    return caller(request).owner
+
+
+def sees_all(request: Request) -> bool:
+    """True for an admin key asking for every owner's objects: query ``access_scope=all``
+    (or the SDK's ``accessible``). Anyone else sees only their own objects."""
+    return caller(request).admin and request.query_params.get("access_scope") in ("all", "accessible")
 
 
 async def parse(request: Request, model: type[M]) -> M:
     """Read the JSON body and validate it as ``model``.
 
     Raises:
-        UserError: body too large, not JSON, or a field fails validation (named).
+        BodyTooLarge: body over the limit (413).
+        UserError: not JSON, or a field fails validation (named).
     """
     raw = await request.body()
-    if len(raw) > gw(request).settings.max_body_bytes:
-        raise UserError("body", f"request body of {len(raw)} bytes exceeds the limit")
+    if len(raw) > gw(request).body_limit():
+        raise BodyTooLarge("body", f"request body of {len(raw)} bytes exceeds the limit")
     try:
         data = json.loads(raw or b"{}")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

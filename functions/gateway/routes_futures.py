@@ -24,13 +24,14 @@ router = APIRouter(prefix="/api/v1")
 async def retrieve_future(request: Request):
     req = await parse(request, wire.RetrieveFutureRequest)
     g = gw(request)
-    rec = await g.bus.future_get(req.request_id)
-    if rec is None:
-        raise NotFound("request_id", f"unknown future {req.request_id!r}")
-    if (rec.meta or {}).get("owner") not in (None, owner(request)):
-        raise NotFound("request_id", f"unknown future {req.request_id!r}")
-    if rec.state == "pending":
-        rec = await g.waiter.wait(req.request_id, g.settings.long_poll_s)
+    who = owner(request)
+
+    def check(rec) -> None:
+        if rec is None or (rec.meta or {}).get("owner") != who:  # unknown, or another key's (or nobody's)
+            raise NotFound("request_id", f"unknown future {req.request_id!r}")
+
+    # one read of the bucket, after the waiter is registered; the result comes with the watcher
+    rec = await g.waiter.wait(req.request_id, g.settings.long_poll_s, check=check)
     if rec is None or rec.state == "pending":
         return {"type": "try_again", "request_id": req.request_id, "queue_state": "active"}
     if "protobuf" in rec.content_type:

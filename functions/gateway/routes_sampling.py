@@ -14,7 +14,7 @@ from functions.gateway.context import require
 from functions.gateway.deps import gw, owner, parse
 from functions.gateway.routes_training import _owned_manifest
 from openrl import wire
-from openrl.bus import now_iso
+from openrl.bus import SAMPLE_STREAM, now_iso
 from openrl.storage import TinkerPath
 
 router = APIRouter(prefix="/api/v1")
@@ -30,7 +30,7 @@ async def create_sampling_session(request: Request) -> dict:
     if req.model_path:
         ckpt = TinkerPath.parse(req.model_path, field="model_path")
         require(ckpt.kind in ("sampler_weights", "weights"), "model_path", "expected a sampler_weights or weights path")
-        manifest = await _owned_manifest(g, ckpt, who)
+        manifest = await _owned_manifest(g, ckpt, who, "model_path")
         base = manifest.get("base_model")
         path = str(ckpt)
     else:
@@ -71,12 +71,17 @@ async def asample(request: Request) -> dict:
     mt = req.sampling_params.max_tokens
     require(mt is None or 1 <= mt <= s.max_tokens_limit, "sampling_params.max_tokens",
             f"must be between 1 and {s.max_tokens_limit}")
-    tokens = [t for c in req.prompt.chunks for t in (getattr(c, "tokens", None) or [])]
+    require(req.seq_id is not None and 0 <= req.seq_id < 2**63, "seq_id", "required, between 0 and 2^63-1")
+    tokens = req.prompt.to_tokens("prompt")
     require(len(tokens) > 0, "prompt", "the prompt has no tokens")
     vocab = g.vocab_size(rec["base_model"])
     bad = [t for t in tokens if t < 0 or t >= vocab]
     require(not bad, "prompt.chunks", f"token id {bad[:1]} outside the vocabulary [0, {vocab})")
+    ctx = g.registry.resolve(rec["base_model"]).max_context_length
+    require(len(tokens) + (mt or 0) <= ctx, "prompt" if len(tokens) >= ctx else "sampling_params.max_tokens",
+            f"prompt ({len(tokens)} tokens) + max_tokens ({mt or 0}) exceed the model's context of {ctx}")
     rid = f"{sid}:{req.seq_id}"
+    await g.admit(SAMPLE_STREAM, rid)
     data = req.model_dump(mode="json", exclude_none=True)
     data.update(prompt_tokens=tokens, base_model=rec["base_model"], model_path=rec.get("model_path"))
     data.pop("prompt", None)

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from functions.gateway.context import require
+from functions.gateway.context import BodyTooLarge, require
 from functions.gateway.deps import gw, owner, parse
 from openrl import proto, wire
-from openrl.bus import now_iso
+from openrl.bus import TRAIN_STREAM, now_iso
 from openrl.errors import UserError
 from openrl.storage import TinkerPath
 
 router = APIRouter(prefix="/api/v1")
+
+MAX_SEQ_ID = 2**31 - 1  # seq_id is an int32 on the SDK's protobuf wire
 
 
 def model_id_for(session_id: str, model_seq_id: int) -> str:
@@ -60,12 +62,27 @@ async def _new_run(request: Request, session_id: str, model_seq_id: int, base_mo
     return rec
 
 
+def _check_optimizer(opt: dict, field_name: str = "optimizer_config") -> None:
+    """Only AdamW is implemented; anything else is refused when the run is created.
+
+    Raises:
+        NotSupported: ``opt["type"]`` is not ``"adamw"`` (e.g. ``"dimuon"``).
+    """
+    from openrl.errors import NotSupported
+
+    kind = (opt or {}).get("type", "adamw")
+    if kind != "adamw":
+        raise NotSupported(field_name, f"optimizer {kind!r}; this server trains with AdamW only "
+                                       "(create the training client without optimizer_config, or with type 'adamw')")
+
+
 @router.post("/create_model")
 async def create_model(request: Request) -> dict:
     req = await parse(request, wire.CreateModelRequest)
     lora = req.lora_config.model_dump() if req.lora_config else {"rank": 32}
     require(1 <= int(lora.get("rank", 32)) <= 512, "lora_config.rank", "must be between 1 and 512")
     opt = req.optimizer_config.model_dump() if getattr(req, "optimizer_config", None) else {"type": "adamw"}
+    _check_optimizer(opt)
     rec = await _new_run(
         request, req.session_id, req.model_seq_id, req.base_model, lora,
         {"optimizer_config": opt, "user_metadata": req.user_metadata or {}},
@@ -98,16 +115,9 @@ async def forward_backward(request: Request) -> dict:
     """Protobuf ForwardBackwardRequest (zstd when Content-Encoding says so)."""
     g = gw(request)
     body = await request.body()
-    require(len(body) <= g.settings.max_body_bytes, "body", f"{len(body)} bytes exceeds the limit")
     if "protobuf" not in (request.headers.get("content-type") or ""):
         raise UserError("content-type", "forward_backward expects application/x-protobuf")
-    if (request.headers.get("content-encoding") or "").lower() == "zstd":
-        import zstandard
-
-        try:
-            body = zstandard.ZstdDecompressor().decompressobj().decompress(body)
-        except zstandard.ZstdError as exc:
-            raise UserError("body", f"malformed zstd body: {exc}") from exc
+    body = _decompress_capped(body, request.headers.get("content-encoding"), g.body_limit())
     try:
         fb = proto.decode_forward_backward_request(body)
     except UserError:
@@ -116,28 +126,70 @@ async def forward_backward(request: Request) -> dict:
     rec = await g.model(fb.model_id, owner(request))
     require(fb.seq_id >= 1, "seq_id", "must be >= 1")
     try:
-        _validate_datums(fb, g.vocab_size(rec["base_model"]))
+        _validate_datums(fb, g.vocab_size(rec["base_model"]), g.registry.resolve(rec["base_model"]).max_context_length)
     except UserError:
         await _skip(g, rec, fb.seq_id)
         raise
     op = "forward" if fb.forward_only else "forward_backward"
     rid = request_id_for(fb.model_id, fb.seq_id)
+    await g.admit(TRAIN_STREAM, rid)  # 429: the SDK resends this seq_id later, so no skip
     await g.submit(op, rid, fb.model_id, body, model=rec,
                    future_meta={"owner": rec["owner"]})
     return {"request_id": rid, "model_id": fb.model_id}
 
 
-def _validate_datums(fb, vocab: int) -> None:
-    """Edge checks of a forward_backward body: non-empty, token ids in the vocabulary, lengths.
+def _decompress_capped(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """The body, zstd-decompressed when ``encoding`` says so, at most ``limit`` bytes either way.
+
+    Raises:
+        UserError: ``Content-Encoding`` not zstd/identity; ``body`` not valid zstd.
+        BodyTooLarge: more than ``limit`` bytes (413; a small zstd body cannot expand without bound).
+    """
+    enc = (encoding or "").strip().lower()
+    if enc not in ("", "identity", "zstd"):
+        raise UserError("Content-Encoding", f"unsupported encoding {encoding!r}; use zstd")
+    if enc == "zstd":
+        import io
+
+        import zstandard
+
+        out = bytearray()
+        try:
+            reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body))
+            while chunk := reader.read(1 << 20):
+                out += chunk
+                if len(out) > limit:
+                    break
+        except zstandard.ZstdError as exc:
+            raise UserError("body", f"malformed zstd body: {exc}") from None
+        body = bytes(out)
+    if len(body) > limit:
+        raise BodyTooLarge("body", f"forward_backward body exceeds the limit of {limit} bytes")
+    return body
+
+
+def _validate_datums(fb, vocab: int, max_context: int | None = None) -> None:
+    """Edge checks of a forward_backward body: non-empty, token ids in the vocabulary, at most
+    ``max_context`` tokens per datum, target lengths, finite float inputs (no NaN/inf).
 
     Raises:
         UserError: naming the datum and field.
     """
+    import numpy as np
+
     require(len(fb.data) > 0, "data", "at least one datum is required")
     for i, d in enumerate(fb.data):
         require(len(d.tokens) > 0, f"data[{i}].model_input", "empty model input")
+        require(max_context is None or len(d.tokens) <= max_context, f"data[{i}].model_input",
+                f"{len(d.tokens)} tokens exceed the model's context of {max_context}")
         bad = [t for t in d.tokens if t < 0 or t >= vocab]
         require(not bad, f"data[{i}].model_input", f"token id {bad[:1]} outside the vocabulary [0, {vocab})")
+        for key, arr in d.loss_fn_inputs.items():
+            a = np.asarray(arr)
+            fld = f"data[{i}].loss_fn_inputs.{key}"
+            require(a.ndim >= 1 and a.shape[0] == len(d.tokens), fld,
+                    f"shape {list(a.shape)}: the first dimension must be the model_input length {len(d.tokens)}")
+            require(a.dtype.kind != "f" or bool(np.isfinite(a).all()), fld, "must be finite (no NaN or inf)")
         tt = d.loss_fn_inputs.get("target_tokens")
         if tt is not None:
             require(tt.shape[0] == len(d.tokens), f"data[{i}].loss_fn_inputs.target_tokens",
@@ -194,9 +246,10 @@ async def _parse_training(request: Request, model):
 async def _simple(request: Request, op: str, req, data: dict) -> dict:
     g = gw(request)
     rec = await g.model(req.model_id, owner(request))
-    require(req.seq_id >= 1, "seq_id", "must be >= 1")
+    require(req.seq_id is not None and 1 <= req.seq_id <= MAX_SEQ_ID, "seq_id", f"must be between 1 and {MAX_SEQ_ID}")
     rid = request_id_for(req.model_id, req.seq_id)
     data = {"model_id": req.model_id, "seq_id": req.seq_id, **data}
+    await g.admit(TRAIN_STREAM, rid)
     await g.submit(op, rid, req.model_id, data, model=rec, future_meta={"owner": rec["owner"]})
     return {"request_id": rid, "model_id": req.model_id}
 
@@ -204,6 +257,11 @@ async def _simple(request: Request, op: str, req, data: dict) -> dict:
 @router.post("/optim_step")
 async def optim_step(request: Request) -> dict:
     req = await _parse_training(request, wire.OptimStepRequest)
+    if req.optimizer_params is not None or req.adam_params is None:
+        from openrl.errors import NotSupported
+
+        await _skip_owned(request, req.model_id, req.seq_id)
+        raise NotSupported("optimizer_params", "only AdamW steps (adam_params) are implemented")
     return await _simple(request, "optim_step", req, {"adam_params": req.adam_params.model_dump()})
 
 
@@ -242,29 +300,85 @@ async def save_weights_for_sampler(request: Request) -> dict:
     return await _simple(request, "save_weights_for_sampler", req, data)
 
 
+async def _skip_owned(request: Request, model_id: str | None, seq_id: int | None) -> None:
+    """Skip ``seq_id`` of the caller's run ``model_id`` (best effort; see :func:`_skip`)."""
+    try:
+        rec = await gw(request).model(str(model_id), owner(request))
+    except Exception:  # noqa: BLE001 - not the caller's run: nothing to skip
+        return
+    if seq_id is not None and 1 <= seq_id <= MAX_SEQ_ID:
+        await _skip(gw(request), rec, seq_id)
+
+
 @router.post("/load_weights")
 async def load_weights(request: Request) -> dict:
-    """Create-via-load (session_id + model_seq_id) or the legacy in-place load (model_id + seq_id)."""
-    req = await parse(request, wire.LoadWeightsRequest)
+    """Create-via-load (session_id + model_seq_id) or the legacy in-place load (model_id + seq_id).
+
+    In-place loads (``TrainingClient.load_state*``) follow hosted Tinker: a load is accepted only
+    as the run's first request (``seq_id == 1``), before any forward_backward / optim_step /
+    save; later ones are refused with 400 (see docs/compatibility.md). The SDK deprecates
+    ``load_state*`` in favour of ``ServiceClient.create_training_client_from_state*``, which
+    starts a fresh run from the checkpoint.
+    """
+    req = await _parse_training(request, wire.LoadWeightsRequest)
     g = gw(request)
     who = owner(request)
+    if req.model_id is not None:
+        try:
+            require(req.seq_id == 1, "seq_id",
+                    f"load_state is accepted only as a training run's first request (this is request "
+                    f"{req.seq_id}); create a new training client from the checkpoint with "
+                    "ServiceClient.create_training_client_from_state(path) instead")
+            ckpt = TinkerPath.parse(req.path, field="path")
+            await _owned_manifest(g, ckpt, who)
+        except UserError:
+            await _skip_owned(request, req.model_id, req.seq_id)
+            raise
+        return await _simple(request, "load_weights", req,
+                             {"path": str(ckpt), "optimizer": req.optimizer, "create": False})
     ckpt = TinkerPath.parse(req.path, field="path")
     manifest = await _owned_manifest(g, ckpt, who)
-    if req.model_id is None:
-        require(req.session_id is not None and req.model_seq_id is not None, "session_id",
-                "create-via-load needs session_id and model_seq_id")
-        base = req.base_model or manifest.get("base_model")
-        lora = manifest.get("lora_config") or {"rank": manifest.get("lora_rank", 32)}
-        opt = req.optimizer_config.model_dump() if getattr(req, "optimizer_config", None) else (
-            manifest.get("optimizer_config") or {"type": "adamw"})
-        rec = await _new_run(request, req.session_id, req.model_seq_id, base, lora,
-                             {"optimizer_config": opt, "user_metadata": req.user_metadata or {}})
-        rid = request_id_for(rec["model_id"], 0)
-        data = {"model_id": rec["model_id"], "base_model": base, "lora_config": lora, "optimizer_config": opt,
-                "path": str(ckpt), "optimizer": req.optimizer, "create": True, "seq_id": 0}
-        await g.submit("load_weights", rid, rec["model_id"], data, model=rec, future_meta={"owner": who})
-        return {"request_id": rid, "model_id": rec["model_id"]}
-    return await _simple(request, "load_weights", req, {"path": str(ckpt), "optimizer": req.optimizer, "create": False})
+    if req.optimizer_config is not None:
+        _check_optimizer(req.optimizer_config.model_dump())
+    # create-via-load (ServiceClient.create_training_client_from_state*)
+    require(req.session_id is not None and req.model_seq_id is not None, "session_id",
+            "create-via-load needs session_id and model_seq_id")
+    base = req.base_model or manifest.get("base_model")
+    lora = manifest.get("lora_config") or {"rank": manifest.get("lora_rank", 32)}
+    opt = req.optimizer_config.model_dump() if getattr(req, "optimizer_config", None) else (
+        manifest.get("optimizer_config") or {"type": "adamw"})
+    rec = await _new_run(request, req.session_id, req.model_seq_id, base, lora,
+                         {"optimizer_config": opt, "user_metadata": req.user_metadata or {}})
+    rid = request_id_for(rec["model_id"], 0)
+    data = {"model_id": rec["model_id"], "base_model": base, "lora_config": lora, "optimizer_config": opt,
+            "path": str(ckpt), "optimizer": req.optimizer, "create": True, "seq_id": 0}
+    await g.submit("load_weights", rid, rec["model_id"], data, model=rec, future_meta={"owner": who})
+    return {"request_id": rid, "model_id": rec["model_id"]}
+
+
+@router.post("/save_weights_external")
+async def save_weights_external(request: Request) -> dict:
+    """``TrainingClient.save_weights_external``: the PEFT adapter as an ``external_weights``
+    checkpoint (``tinker://<run>/external_weights/<name>``), downloadable through
+    ``RestClient.get_external_weights_urls``. Future result ``{path, size_bytes}``.
+
+    Raises:
+        NotSupported: ``age_encryption_recipients`` given (checkpoints are stored unencrypted).
+    """
+    req = await _parse_training(request, wire.SaveWeightsExternalRequest)
+    if req.age_encryption_recipients:
+        from openrl.errors import NotSupported
+
+        await _skip_owned(request, req.model_id, req.seq_id)
+        raise NotSupported("age_encryption_recipients", "age-encrypted external weights; omit the recipients "
+                           "(the download URLs are signed and expire instead)")
+    try:
+        path = _checkpoint_path(req.model_id, "external_weights", req.path or f"external-{req.seq_id}")
+    except UserError:
+        await _skip_owned(request, req.model_id, req.seq_id)
+        raise
+    return await _simple(request, "save_weights_external", req,
+                         {"path": path, "ttl_seconds": req.ttl_seconds, "owner": owner(request)})
 
 
 @router.post("/unload_model")
@@ -278,13 +392,14 @@ async def unload_model(request: Request) -> dict:
     return {"request_id": rid, "model_id": req.model_id}
 
 
-async def _owned_manifest(g, ckpt: TinkerPath, who: str) -> dict:
-    """The manifest of a checkpoint the caller may read (own or published), else NotFound."""
+async def _owned_manifest(g, ckpt: TinkerPath, who: str, field_name: str = "path") -> dict:
+    """The manifest of a checkpoint the caller may read (own or published), else NotFound
+    naming ``field_name`` (also for another key's private checkpoint)."""
     import asyncio
 
     from openrl.errors import NotFound
 
     m = await asyncio.to_thread(g.storage.manifest, ckpt)
     if m is None or (m.get("owner") != who and not m.get("public")):
-        raise NotFound("path", f"no checkpoint at {ckpt}")
+        raise NotFound(field_name, f"no checkpoint at {ckpt}")
     return m

@@ -307,15 +307,20 @@ class SamplerEngine:
         Raises:
             UserError: the directory is not a usable PEFT adapter for this base model.
         """
+        from openrl import metrics
+
         if key in self._adapters:
             self._adapters.move_to_end(key)
+            metrics.ADAPTER_CACHE.labels("hit").inc()
             return
         pending = self._loading.get(key)
         if pending is not None:
             await asyncio.shield(pending)
             if key in self._adapters:
                 self._adapters.move_to_end(key)
+                metrics.ADAPTER_CACHE.labels("hit").inc()  # loaded by a concurrent caller
                 return
+        metrics.ADAPTER_CACHE.labels("miss").inc()
         fut = asyncio.get_running_loop().create_future()
         self._loading[key] = fut
         try:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import numpy as np
 
-from openrl import events, proto
+from openrl import events, metrics, proto
 from openrl.errors import UserError
 from openrl.registry import ModelRegistry
 from openrl.storage import TinkerPath, open_storage
@@ -110,7 +111,12 @@ class SamplerFunction:
             target_prompt_ids=target_rows(tpl) if tpl else None,
             prompt_alt_tokens_k=int(d.get("prompt_alt_tokens_k") or 0),
         )
+        t0 = time.perf_counter()
         res = await engine.sample(job)
+        # usage: generated tokens and engine seconds per owner (concurrent jobs share decode
+        # passes, so their seconds overlap)
+        metrics.record_sampled(event.get_extension("owner"), sum(len(s.tokens) for s in res.sequences),
+                               time.perf_counter() - t0)
         return events.result_event(event, encode_result(res, tpl), source=SOURCE)
 
 
