@@ -81,9 +81,9 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="samples per problem")
     ap.add_argument("--max-tokens", type=int, default=6)
     ap.add_argument("--max-operand", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (1e-2 suits the tiny built model; ~1e-4 for a real one)")
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--warmup-steps", type=int, default=12, help="supervised steps before RL (0 for a real model)")
+    ap.add_argument("--warmup-steps", type=int, default=40, help="supervised steps before RL (0 for a real model)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -138,7 +138,7 @@ def main() -> None:
         bar.set_postfix(reward=f"{mean_r:.2f}", loss=f"{loss:.3f}")
         tqdm.write(f"step {step}: mean_reward={mean_r:.3f} loss:sum={loss:.4f} "
                    f"samples={len(rewards_all)} step_s={time.time() - t0:.1f}")
-    service.close() if hasattr(service, "close") else None
+    service.close("success")
     print("done")
 
 
