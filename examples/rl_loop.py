@@ -89,7 +89,7 @@ def main() -> None:
 
     rng = random.Random(args.seed)
     service = tinker.ServiceClient(base_url=args.base_url, api_key=default_api_key())
-    training = service.create_lora_training_client(base_model=args.model, rank=args.rank, seed=args.seed)
+    training = service.create_lora_training_client(base_model=args.model, rank=args.rank, seed=args.seed).result()
     tokenizer = training.get_tokenizer()
     adam = types.AdamParams(learning_rate=args.lr)
     print(f"training run {training.model_id} on {args.model}")
@@ -107,7 +107,7 @@ def main() -> None:
     bar = tqdm(range(args.steps), desc="RL")
     for step in bar:
         t0 = time.time()
-        sampler = training.save_weights_and_get_sampling_client()
+        sampler = training.save_weights_and_get_sampling_client().result()
         problems = make_problems(args.problems, rng, args.max_operand)
         futures = []
         for q, a in problems:
@@ -138,7 +138,7 @@ def main() -> None:
         bar.set_postfix(reward=f"{mean_r:.2f}", loss=f"{loss:.3f}")
         tqdm.write(f"step {step}: mean_reward={mean_r:.3f} loss:sum={loss:.4f} "
                    f"samples={len(rewards_all)} step_s={time.time() - t0:.1f}")
-    service.close("success")
+    service.close("success").result(timeout=30)  # finish the session before the interpreter exits
     print("done")
 
 

@@ -70,7 +70,7 @@ def main() -> None:
     train, test = words[:-8], words[-8:]
 
     service = tinker.ServiceClient(base_url=args.base_url, api_key=default_api_key())
-    training = service.create_lora_training_client(base_model=args.model, rank=args.rank, seed=args.seed)
+    training = service.create_lora_training_client(base_model=args.model, rank=args.rank, seed=args.seed).result()
     tok = training.get_tokenizer()
     adam = types.AdamParams(learning_rate=args.lr)
     bar = tqdm(range(args.steps), desc="SFT pig latin")
@@ -85,7 +85,7 @@ def main() -> None:
         tqdm.write(f"step {step}: loss:sum={m['loss:sum']:.3f} per_token={m['loss:sum'] / ntok:.3f} "
                    f"step_s={time.time() - t0:.2f}")
 
-    sampler = training.save_weights_and_get_sampling_client()
+    sampler = training.save_weights_and_get_sampling_client().result()
     params = types.SamplingParams(max_tokens=8, temperature=0.0)
     for w in test[:4]:
         prompt = types.ModelInput.from_ints(tok.encode(f"English: {w}\nPig Latin:", add_special_tokens=False))
