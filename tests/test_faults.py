@@ -25,6 +25,7 @@ Nothing is mocked; the SDK is the unmodified ``tinker``.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import subprocess
@@ -409,6 +410,121 @@ async def test_gateway_retry_republishes_a_request_whose_publish_failed(tmp_path
         await bus.close()
         nats.terminate()
         nats.wait(timeout=30)
+
+
+async def _never_ack(bus, cons: dict, rid: str, max_wait_s: float = 60.0) -> int:
+    """Fetch ``cons``'s messages and never ack them (workers that die on every delivery)
+    until future ``rid`` is no longer pending; returns how many deliveries were fetched."""
+    import asyncio
+
+    dead = await bus.work_consumer(cons["stream"], cons["durable"], cons["filter_subject"])
+    delivered, deadline = 0, time.monotonic() + max_wait_s
+    while time.monotonic() < deadline and (await bus.future_get(rid)).state == "pending":
+        try:
+            delivered += len(await dead.fetch(batch=2, timeout=1.5))
+        except Exception:  # noqa: BLE001 - nothing to deliver (yet)
+            await asyncio.sleep(0.2)
+    return delivered
+
+
+async def test_a_request_no_worker_finishes_fails_its_future(tmp_path):
+    """A request that every worker taking it dies on (here: a pull subscription on the
+    worker's durable consumer that fetches it and never acks, standing in for workers
+    killed max_deliver times, on a real nats-server) reaches max_deliver; the binding's
+    DeadLetterWatcher fails its future with category "server" and deletes the message. A
+    request whose result landed before its dead letter keeps that result. A dead training
+    request's seq_id gets a skip, so the run's later requests are not held back."""
+    import json
+
+    from openrl import events
+    from openrl.bindings.jetstream import JetStreamWorker
+    from openrl.bus import SAMPLE_STREAM, TRAIN_STREAM, Bus, FutureRecord, sample_subject, train_subject
+    from openrl.embedded import free_port, start_nats
+    from openrl.worker import consumer_for
+
+    port = free_port()
+    nats = start_nats(tmp_path, port)
+    bus = await Bus(f"nats://127.0.0.1:{port}", ack_wait_s=1, max_deliver=2).connect()
+    try:
+        meta = {"owner": "o1"}
+        sampler, trainer = consumer_for("functions.sampler", 0), consumer_for("functions.trainer", 0)
+        watchers = [JetStreamWorker(object(), bus, **c).dead_letters for c in (sampler, trainer)]
+        for w in watchers:  # the workers' watchers only: run() would handle the messages
+            await w.start()
+
+        for rid in ("s1:sample:0:1", "s1:sample:0:2"):
+            assert await bus.future_create(rid, "sample", meta=meta)
+            ev = events.request_event("sample", rid, "s1:sample:0", {"prompt_tokens": [1, 2]})
+            await bus.publish(sample_subject(), *events.to_headers_body(ev), msg_id=rid)
+        await bus.future_put("s1:sample:0:2", FutureRecord("ok", "sample", body=b'{"done": 1}', meta=meta))
+        assert await _never_ack(bus, sampler, "s1:sample:0:1") == 4  # 2 requests x max_deliver
+        rec = await bus.future_get("s1:sample:0:1")
+        assert rec.state == "error" and rec.meta == meta, rec
+        err = json.loads(rec.body)
+        assert err["category"] == "server" and "s1:sample:0:1 (sample)" in err["error"], err
+        assert "2 times" in err["error"], err
+        kept = await bus.future_get("s1:sample:0:2")
+        assert kept.state == "ok" and kept.body == b'{"done": 1}'
+        for _ in range(50):
+            if (await bus.js.stream_info(SAMPLE_STREAM)).state.messages == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert (await bus.js.stream_info(SAMPLE_STREAM)).state.messages == 0  # dead messages deleted
+
+        rid = "m1:3"
+        assert await bus.future_create(rid, "optim_step", meta=meta)
+        ev = events.request_event("optim_step", rid, "m1", {"seq_id": 3, "adam_params": {}},
+                                  extensions={"trainershard": "0"})
+        await bus.publish(train_subject(0, "optim_step"), *events.to_headers_body(ev), msg_id=rid)
+        assert await _never_ack(bus, trainer, rid) >= 2
+        assert json.loads((await bus.future_get(rid)).body)["category"] == "server"
+        skip = await bus.js.get_last_msg(TRAIN_STREAM, train_subject(0, "skip"))
+        skip_ev = events.from_headers_body(dict(skip.headers), skip.data)
+        assert (events.op_of(skip_ev), skip_ev.get_subject()) == ("skip", "m1")
+        assert events.data_json(skip_ev) == {"model_id": "m1", "seq_id": 3}
+        for w in watchers:
+            await w.stop()
+    finally:
+        await bus.close()
+        nats.terminate()
+        nats.wait(timeout=30)
+
+
+async def test_gateway_dead_letter_sink_fails_the_future_and_skips_the_seq_id(keyed_stack):
+    """Knative's deadLetterSink path: a request event POSTed to the gateway's
+    ``/events/dead-letter`` (binary mode, with the internal token) fails its pending future
+    with category "server" and, for a training request, submits a skip for its seq_id; a
+    future that already has a result keeps it. Real gateway and nats-server; the futures
+    are read from the bucket with the real bus client."""
+    import json
+
+    from openrl import events
+    from openrl.bus import Bus, FutureRecord
+
+    bus = await Bus(keyed_stack.nats_url).connect()
+    try:
+        meta = {"owner": "o1"}
+        cases = {"dl-run:7": ("optim_step", "dl-run", {"seq_id": 7}), "dl-s:sample:0:1": ("sample", "dl-s", {}),
+                 "dl-s:sample:0:2": ("sample", "dl-s", {})}
+        for rid, (op, _, _) in cases.items():
+            assert await bus.future_create(rid, op, meta=meta)
+        await bus.future_put("dl-s:sample:0:2", FutureRecord("ok", "sample", body=b'{"done": 1}', meta=meta))
+        async with httpx.AsyncClient(base_url=keyed_stack.base_url, timeout=30) as c:
+            for rid, (op, subject, data) in cases.items():
+                ev = events.request_event(op, rid, subject, data, extensions={"trainershard": "0"})
+                headers, body = events.to_headers_body(ev)
+                r = await c.post("/events/dead-letter", content=body,
+                                 headers={**headers, "X-OpenRL-Internal-Token": keyed_stack._internal_token})
+                assert r.status_code == 202, r.text
+        for rid in ("dl-run:7", "dl-s:sample:0:1"):
+            rec = await bus.future_get(rid)
+            assert rec.state == "error" and rec.meta == meta, rec
+            assert json.loads(rec.body)["category"] == "server"
+        assert (await bus.future_get("dl-s:sample:0:2")).body == b'{"done": 1}'
+        assert await bus.future_get("dl-run:7:skip") is not None  # the skip was submitted
+        assert await bus.future_get("dl-s:sample:0:1:skip") is None  # samples hold no seq_id
+    finally:
+        await bus.close()
 
 
 def test_docs_faults_section_names_every_test():

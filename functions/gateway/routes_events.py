@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse, Response
 
 from functions.gateway.deps import gw
 from openrl import events
-from openrl.bindings.jetstream import store_result
+from openrl.bindings.deadletter import dead_seq, fail_undelivered, gave_up_message
+from openrl.bindings.results import store_result
 
 router = APIRouter(prefix="/events")
 
@@ -43,7 +44,12 @@ async def dead_letter(request: Request):
     if ev.get_type() == events.RESULT_TYPE:  # a result that could not reach /events/result
         await store_result(gw(request).bus, ev)
         return Response(status_code=202)
-    failed = events.error_event(ev, f"request {ev.get_id()} could not be delivered to a worker", "server",
-                                source="/openrl/gateway")
-    await store_result(gw(request).bus, failed)
+    # a worker that finished the request after all (its result landed first) keeps its answer
+    g = gw(request)
+    if await fail_undelivered(g.bus, ev, gave_up_message(ev, None), source="/openrl/gateway"):
+        seq = dead_seq(ev)
+        if seq is not None:  # the run's later requests go on instead of waiting for the gap timeout
+            model_id, seq_id, shard = seq
+            await g.submit("skip", f"{model_id}:{seq_id}:skip", model_id, {"model_id": model_id, "seq_id": seq_id},
+                           model={"model_id": model_id, "shard": int(shard)})
     return Response(status_code=202)

@@ -3,7 +3,8 @@
 Each message is one request CloudEvent in binary mode (``ce-*`` headers). It is handled
 in its own task (up to ``concurrency`` at once: the trainer holds later seq_ids back
 while earlier ones run), the result event is written to the futures KV bucket, and only
-then is the message acked, so a worker that dies mid-request has it redelivered.
+then is the message acked, so a worker that dies mid-request has it redelivered; after
+``max_deliver`` deliveries its future fails (:mod:`openrl.bindings.deadletter`).
 While a request runs, the binding sends in-progress acks so a long training step is not
 redelivered to another replica.
 """
@@ -15,35 +16,14 @@ import logging
 
 from nats.errors import TimeoutError as NatsTimeout
 
-from openrl import events, testhooks, tracing
+from openrl import events, testhooks
 from openrl.bindings import handle_event
-from openrl.bus import Bus, FutureRecord
+from openrl.bindings.deadletter import (DeadLetterWatcher, dead_seq, fail_undelivered, gave_up_message,
+                                        publish_skip)
+from openrl.bindings.results import store_result
+from openrl.bus import Bus
 
 log = logging.getLogger("openrl.jetstream")
-
-
-async def store_result(bus: Bus, result) -> None:
-    """Write a result event into ``OPENRL_FUTURES`` under the request id (its subject).
-
-    Traced as ``store result`` continuing the result event's ``traceparent`` (the worker's
-    span), so a result pushed to the gateway's ``/events/result`` joins the request's trace.
-    """
-    with tracing.span("store result", kind="producer", parent=tracing.event_carrier(result),
-                      attributes={"cloudevents.event_subject": result.get_subject() or "",
-                                  "openrl.outcome": result.get_extension("outcome") or "ok"}):
-        await _store_result(bus, result)
-
-
-async def _store_result(bus: Bus, result) -> None:
-    # keep the pending record's meta: its "owner" is what lets only the caller's key read the result
-    old = await bus.future_get(result.get_subject())
-    rec = FutureRecord(
-        state="ok" if result.get_extension("outcome") != "error" else "error",
-        content_type=result.get_datacontenttype() or events.JSON,
-        body=events.data_bytes(result),
-        meta=old.meta if old is not None else None,
-    )
-    await bus.future_put(result.get_subject(), rec)
 
 
 class JetStreamWorker:
@@ -69,10 +49,12 @@ class JetStreamWorker:
         self.in_progress_s = min(in_progress_s, bus.ack_wait_s / 3)
         self._tasks: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
+        self.dead_letters = DeadLetterWatcher(bus, stream=stream, durable=durable, source=source)
 
     async def run(self) -> None:
-        """Fetch and dispatch until :meth:`stop`."""
+        """Fetch and dispatch until :meth:`stop`; fail the futures of dead letters meanwhile."""
         sub = await self.bus.work_consumer(self.stream, self.durable, self.filter_subject)
+        await self.dead_letters.start()
         while not self._stopping.is_set():
             await self.sem.acquire()
             self.sem.release()
@@ -94,6 +76,7 @@ class JetStreamWorker:
 
     async def _process(self, msg) -> None:
         ticker = asyncio.create_task(self._keep_alive(msg))
+        event = None
         try:
             try:
                 event = events.from_headers_body(dict(msg.headers or {}), msg.data)
@@ -108,14 +91,31 @@ class JetStreamWorker:
                                deliver=lambda result: store_result(self.bus, result))
             await msg.ack()
         except Exception:  # noqa: BLE001
-            log.exception("request failed in the binding; it will be redelivered")
-            try:
-                await msg.nak(delay=1.0)
-            except Exception:  # noqa: BLE001
-                pass
+            await self._failed_in_binding(msg, event)
         finally:
             ticker.cancel()
             self.sem.release()
+
+    async def _failed_in_binding(self, msg, event) -> None:
+        """Redeliver a request whose handling failed outside the Function (e.g. storing its
+        result while NATS restarts); on its last delivery fail its future and drop it."""
+        try:
+            delivered = msg.metadata.num_delivered
+        except Exception:  # noqa: BLE001
+            delivered = 0
+        try:
+            if event is not None and delivered >= self.bus.max_deliver:
+                log.exception("request failed in the binding on its last delivery (%d)", delivered)
+                if await fail_undelivered(self.bus, event, gave_up_message(event, delivered), source=self.source):
+                    seq = dead_seq(event)
+                    if seq is not None:
+                        await publish_skip(self.bus, *seq)
+                await msg.term()
+            else:
+                log.exception("request failed in the binding; it will be redelivered")
+                await msg.nak(delay=1.0)
+        except Exception as exc:  # noqa: BLE001 - NATS down: the ack wait redelivers it
+            log.warning("could not nak/fail the request: %s", exc)
 
     async def _keep_alive(self, msg) -> None:
         while True:
@@ -128,5 +128,6 @@ class JetStreamWorker:
     async def stop(self, drain_s: float = 30.0) -> None:
         """Stop fetching and wait up to ``drain_s`` seconds for requests in flight."""
         self._stopping.set()
+        await self.dead_letters.stop()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=drain_s)

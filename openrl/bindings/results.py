@@ -1,0 +1,30 @@
+"""Storing result events: the futures bucket is where the SDK's poll finds them."""
+
+from __future__ import annotations
+
+from openrl import events, tracing
+from openrl.bus import Bus, FutureRecord
+
+
+async def store_result(bus: Bus, result) -> None:
+    """Write a result event into ``OPENRL_FUTURES`` under the request id (its subject).
+
+    Traced as ``store result`` continuing the result event's ``traceparent`` (the worker's
+    span), so a result pushed to the gateway's ``/events/result`` joins the request's trace.
+    """
+    with tracing.span("store result", kind="producer", parent=tracing.event_carrier(result),
+                      attributes={"cloudevents.event_subject": result.get_subject() or "",
+                                  "openrl.outcome": result.get_extension("outcome") or "ok"}):
+        await _store_result(bus, result)
+
+
+async def _store_result(bus: Bus, result) -> None:
+    # keep the pending record's meta: its "owner" is what lets only the caller's key read the result
+    old = await bus.future_get(result.get_subject())
+    rec = FutureRecord(
+        state="ok" if result.get_extension("outcome") != "error" else "error",
+        content_type=result.get_datacontenttype() or events.JSON,
+        body=events.data_bytes(result),
+        meta=old.meta if old is not None else None,
+    )
+    await bus.future_put(result.get_subject(), rec)
