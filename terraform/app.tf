@@ -64,13 +64,35 @@ resource "kubernetes_secret_v1" "api_keys" {
   depends_on = [kubectl_manifest.app_namespace]
 }
 
+# The gateway's /events/* sinks (result and dead-letter CloudEvents from the Broker) need
+# this token: the gateway reads it from the Secret, the Triggers and the Broker carry it in
+# their sink URIs (?token=, knative/overlays/gke-gpu/events-token-patch.yaml).
+resource "random_password" "events_token" {
+  length  = 40
+  special = false
+}
+
+resource "kubernetes_secret_v1" "internal_token" {
+  count = var.deploy_app ? 1 : 0
+  metadata {
+    name      = "openrl-internal-token"
+    namespace = local.app_namespace
+  }
+  data = {
+    token = random_password.events_token.result
+  }
+  depends_on = [kubectl_manifest.app_namespace]
+}
+
 resource "kubectl_manifest" "app" {
-  for_each          = var.deploy_app ? local.app_other_docs : {}
-  yaml_body         = each.value
+  for_each = var.deploy_app ? local.app_other_docs : {}
+  # The token is filled in here, not in local.app_rendered, so for_each stays non-sensitive.
+  yaml_body         = replace(each.value, "OPENRL_EVENTS_TOKEN", random_password.events_token.result)
   server_side_apply = true
   depends_on = [
     kubectl_manifest.app_namespace,
     kubernetes_secret_v1.api_keys,
+    kubernetes_secret_v1.internal_token,
     kubectl_manifest.knative_serving,
     kubectl_manifest.eventing_natss,
     helm_release.nats,

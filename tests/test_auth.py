@@ -146,6 +146,10 @@ def test_event_sinks_need_the_internal_token(keyed_stack):
             # the right token passes auth and reaches the route (which rejects a non-CloudEvent)
             r = c.post(path, content=b"{}", headers={"X-OpenRL-Internal-Token": keyed_stack._internal_token})
             assert r.status_code == 400, r.text
+            # a Trigger URI cannot carry headers: GKE's carry the token in the query instead
+            assert c.post(path, content=b"{}", params={"token": "wrong"}).status_code == 401
+            r = c.post(path, content=b"{}", params={"token": keyed_stack._internal_token})
+            assert r.status_code == 400, r.text
 
 
 @pytest.fixture(scope="module")

@@ -47,19 +47,9 @@ ALL_OVERLAYS = APP_OVERLAYS + EVENTING_OVERLAYS + ["knative/shards/shard-0", "kn
 
 NAMESPACE = "openrl"
 BROKER = "openrl"
-TRAIN_OPS = [
-    "create_model",
-    "forward_backward",
-    "forward",
-    "optim_step",
-    "save_weights",
-    "save_weights_for_sampler",
-    "save_weights_external",
-    "load_weights",
-    "unload_model",
-]
-SAMPLE_OPS = ["sample"]
-RESULT_TYPE = "dev.openrl.result.v1"
+# The event types the gateway publishes (openrl/events.py is the source of truth, so a new
+# op without a Trigger fails test_every_event_type_reaches_exactly_its_function).
+from openrl.events import RESULT_TYPE, SAMPLE_OPS, TRAIN_OPS  # noqa: E402
 # How each function starts; the same command is the image's CMD (docker/*.Dockerfile).
 ENTRYPOINTS = {
     "gateway": ["python", "-m", "functions.gateway", "--host", "0.0.0.0", "--port", "8080"],
@@ -152,6 +142,11 @@ def env_of(docs, ksvc: dict) -> dict[str, str]:
         if "value" in e:
             env[e["name"]] = e["value"]
     return env
+
+
+def sink_query(overlay: str) -> str:
+    """The query of the gateway's /events/* sink URIs: gke-gpu carries the internal token."""
+    return "?token=OPENRL_EVENTS_TOKEN" if overlay.endswith("gke-gpu") else ""
 
 
 # ------------------------------------------------------------------- durations
@@ -423,7 +418,7 @@ def test_every_event_type_reaches_exactly_its_function(overlay):
     for extra in ({}, {"trainershard": "0"}):
         hits = route(docs, {**base, "type": RESULT_TYPE, **extra})
         assert hits == ["results"], hits
-        assert target("results") == ("gateway", "/events/result")
+        assert target("results") == ("gateway", "/events/result" + sink_query(overlay))
     assert route(docs, {**base, "type": "dev.openrl.unknown.v1", "trainershard": "0"}) == []
     # Every subscriber is a Knative Service of this build.
     for name in trigs:
@@ -464,7 +459,7 @@ def test_dead_letters_go_to_the_gateway(overlay):
         dls = delivery["deadLetterSink"]
         assert dls["ref"]["kind"] == "Service" and dls["ref"]["apiVersion"] == "serving.knative.dev/v1"
         assert dls["ref"]["name"] == "gateway", obj["metadata"]["name"]
-        assert dls["uri"] == "/events/dead-letter"
+        assert dls["uri"] == "/events/dead-letter" + sink_query(overlay)
         assert delivery["retry"] >= 1
         assert delivery["backoffPolicy"] in ("linear", "exponential")
         iso8601_seconds(delivery["backoffDelay"])
@@ -651,12 +646,34 @@ def test_gke_overlay_placeholders_and_identity():
     # terraform/app.tf replaces exactly these tokens; nothing else may look like one.
     tokens = set(re.findall(r"\bOPENRL_[A-Z_]+\b", text)) - {
         "OPENRL_STORAGE", "OPENRL_NATS_URL", "OPENRL_MODEL_REGISTRY", "OPENRL_API_KEYS_FILE",
-        "OPENRL_TRAINER_SHARDS", "OPENRL_TRAINER_SHARD", "OPENRL_ROLE",
+        "OPENRL_TRAINER_SHARDS", "OPENRL_TRAINER_SHARD", "OPENRL_ROLE", "OPENRL_INTERNAL_TOKEN",
     }
-    assert tokens == {"OPENRL_IMAGE_REPO", "OPENRL_IMAGE_TAG", "OPENRL_BUCKET", "OPENRL_GSA_EMAIL"}, tokens
+    assert tokens == {"OPENRL_IMAGE_REPO", "OPENRL_IMAGE_TAG", "OPENRL_BUCKET", "OPENRL_GSA_EMAIL",
+                      "OPENRL_EVENTS_TOKEN"}, tokens
     app_tf = (ROOT / "terraform" / "app.tf").read_text()
     for token in tokens:
         assert f'"{token}"' in app_tf, f"terraform/app.tf does not replace {token}"
+
+
+def test_gke_event_sinks_need_the_internal_token():
+    """On GKE the gateway's Service is public, so its /events/* sinks must check the
+    internal token: the gateway reads OPENRL_INTERNAL_TOKEN from the Secret terraform
+    creates, and every Trigger and Broker URI that points at a sink carries the same value
+    (terraform fills in OPENRL_EVENTS_TOKEN from the one random_password)."""
+    docs = build("knative/overlays/gke-gpu")
+    (gateway,) = [k for k in ksvcs(docs).values() if function_of(k) == "gateway"]
+    (env,) = [e for e in container(gateway)["env"] if e["name"] == "OPENRL_INTERNAL_TOKEN"]
+    ref = env["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == ("openrl-internal-token", "token") and not ref.get("optional")
+    sinks = re.findall(r"uri: (/events/[^\s]*)", yaml.safe_dump_all(docs))
+    assert len(sinks) == len(triggers(docs)) + 2, sinks  # every dead-letter sink, the Broker's, the results
+    assert all(u.endswith("?token=OPENRL_EVENTS_TOKEN") for u in sinks), sinks
+    app_tf = (ROOT / "terraform" / "app.tf").read_text()
+    secret = app_tf.split('resource "kubernetes_secret_v1" "internal_token"', 1)[1].split("\n}\n", 1)[0]
+    assert 'name      = "openrl-internal-token"' in secret and "token = random_password.events_token.result" in secret
+    assert 'replace(each.value, "OPENRL_EVENTS_TOKEN", random_password.events_token.result)' in app_tf
+    # the gateway accepts the token from the query (openrl/auth.py, functions/gateway/app.py)
+    assert "?token=" in (ROOT / "openrl" / "auth.py").read_text()
 
 
 def test_cpu_dev_images_are_local():
