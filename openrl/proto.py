@@ -44,6 +44,8 @@ __all__ = [
     "FwdBwdRequest",
     "SampledSeq",
     "decode_forward_backward_request",
+    "peek_run_and_seq",
+    "HEAD_BYTES",
     "encode_forward_backward_output",
     "encode_sample_response",
     "encode_forward_backward_request",
@@ -505,6 +507,79 @@ def _widen(arr: np.ndarray, dtype: int) -> np.ndarray:
     if dtype == DType.BFLOAT16:
         return (arr.astype(np.uint32) << 16).view(np.float32)
     return arr
+
+
+HEAD_BYTES = 4096  # how much of a forward_backward body :func:`peek_run_and_seq` needs at most
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    """Decode a base-128 varint at ``buf[i:]``; returns (value, next index).
+
+    Raises:
+        IndexError: the buffer ends inside the varint.
+    """
+    shift = value = 0
+    while True:
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, i
+        shift += 7
+        if shift > 63:
+            raise IndexError("varint longer than 64 bits")
+
+
+def peek_run_and_seq(head: bytes, content_encoding: str | None = None) -> tuple[str | None, int | None]:
+    """``(model_id, seq_id)`` from the first bytes of a ``ForwardBackwardRequest`` body.
+
+    For a body the gateway will not decode (over the size cap, or broken datums) it still
+    learns which seq_id of which run to skip. The SDK's protobuf encoder writes fields in
+    field-number order, so ``model_id`` (1) and ``seq_id`` (2) come before the datums (3);
+    the scan reads top-level fields, stops at the first field it cannot finish and never
+    raises. A zstd body (``content_encoding="zstd"``) is decompressed as far as ``head`` goes.
+
+    Args:
+        head: the body's first bytes (:data:`HEAD_BYTES` is enough), possibly truncated.
+        content_encoding: the request's ``Content-Encoding``.
+
+    Returns:
+        The values found; None for a field that is absent from ``head``.
+    """
+    if (content_encoding or "").strip().lower() == "zstd":
+        try:
+            import zstandard
+
+            head = zstandard.ZstdDecompressor().decompressobj().decompress(head)
+        except Exception:  # noqa: BLE001 - not zstd at all
+            return None, None
+    model_id: str | None = None
+    seq_id: int | None = None
+    i = 0
+    try:
+        while i < len(head) and (model_id is None or seq_id is None):
+            key, i = _varint(head, i)
+            number, wire = key >> 3, key & 7
+            if wire == 0:
+                value, i = _varint(head, i)
+                if number == 2:
+                    seq_id = value
+            elif wire == 2:
+                n, i = _varint(head, i)
+                if i + n > len(head):
+                    break
+                if number == 1:
+                    model_id = head[i:i + n].decode("utf-8")
+                i += n
+            elif wire == 1:
+                i += 8
+            elif wire == 5:
+                i += 4
+            else:
+                break
+    except (IndexError, UnicodeDecodeError):
+        pass
+    return model_id, seq_id
 
 
 def decode_forward_backward_request(

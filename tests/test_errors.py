@@ -217,6 +217,25 @@ def _(c):
     return c.http.post("/forward_backward", content=bomb, headers={**PB, "Content-Encoding": "zstd"})
 
 
+@case("oversized-forward-backward", "http", 413, "body")
+def _(c):
+    n = 600_000  # ~4.8 MB of tokens, targets and weights: over the 2 MiB cap; its seq_id is skipped
+    body = fb_body(c.run, c.next_seq(), tokens=[1] * n, target_tokens=np.ones(n, np.int64))
+    assert len(body) > MAX_BODY_BYTES
+    return c.http.post("/forward_backward", content=body, headers=PB)
+
+
+@case("zstd-forward-backward-over-the-cap", "http", 413, "body")
+def _(c):
+    import zstandard
+
+    n = 600_000
+    body = fb_body(c.run, c.next_seq(), tokens=[1] * n, target_tokens=np.ones(n, np.int64))
+    small = zstandard.ZstdCompressor().compress(body)
+    assert len(small) < MAX_BODY_BYTES < len(body)
+    return c.http.post("/forward_backward", content=small, headers={**PB, "Content-Encoding": "zstd"})
+
+
 @case("unsupported-content-encoding", "http", 400, "Content-Encoding")
 def _(c):
     return c.http.post("/forward_backward", content=fb_body(c.run, c.seq + 1), headers={**PB, "Content-Encoding": "br"})

@@ -163,6 +163,25 @@ def test_decode_sdk_request():
     assert req.data[2].loss_fn_inputs["target_tokens"].shape == (6, 5)
 
 
+def test_peek_run_and_seq_reads_the_head_of_sdk_bodies():
+    """The SDK's encoder writes model_id and seq_id before the datums, so the first
+    HEAD_BYTES of a body of any size (plain or zstd) name the run and seq_id; a truncated
+    or foreign head gives None for what it lacks and never raises."""
+    big = T.Datum(model_input=T.ModelInput.from_ints([1] * 200_000),
+                  loss_fn_inputs={"target_tokens": np.ones(200_000, np.int64),
+                                  "weights": np.ones(200_000, np.float32)})
+    body = _sdk_body([big], seq_id=300)
+    assert len(body) > 100 * P.HEAD_BYTES
+    assert P.peek_run_and_seq(body[:P.HEAD_BYTES]) == ("s1:train:0", 300)
+    packed = zstandard.ZstdCompressor().compress(body)
+    assert P.peek_run_and_seq(packed[:P.HEAD_BYTES], "zstd") == ("s1:train:0", 300)
+    assert P.peek_run_and_seq(body[:5]) == (None, None)  # model_id cut off
+    assert P.peek_run_and_seq(body[:12]) == ("s1:train:0", None)  # seq_id not reached
+    for junk in (b"", b"\xff" * 20, b"\x0a\xff\xff\xff\xff\x0f", b"not protobuf at all"):
+        P.peek_run_and_seq(junk)
+        P.peek_run_and_seq(junk, "zstd")
+
+
 def test_decode_zstd_and_forward_only():
     datums = _sdk_datums()[:2]
     body = zstandard.ZstdCompressor().compress(_sdk_body(datums, forward_only=True))

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from functions.gateway.context import BodyTooLarge, Gateway, GatewaySettings
+from openrl.proto import HEAD_BYTES
 from openrl.bus import Bus, FutureWaiter
 from openrl.errors import OpenRLError, UserError
 from openrl.registry import ModelRegistry
@@ -38,6 +39,31 @@ def error_response(exc: OpenRLError) -> JSONResponse:
 
 
 OPEN_PATHS = frozenset({"/api/v1/healthz"})
+# Training routes whose oversize body still names a seq_id the trainer must skip: the route
+# gets the body's first HEAD_BYTES (request.state.oversize = the declared length).
+HEAD_PATHS = frozenset({"/api/v1/forward_backward", "/api/v1/forward"})
+
+
+def _head_only(receive, n: int):
+    """An ASGI ``receive`` that returns the body's first ``n`` bytes (or fewer) as a whole body."""
+    done = False
+
+    async def head_receive():
+        nonlocal done
+        if done:
+            return {"type": "http.disconnect"}
+        buf = bytearray()
+        while len(buf) < n:
+            message = await receive()
+            if message.get("type") != "http.request":
+                return message
+            buf += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        done = True
+        return {"type": "http.request", "body": bytes(buf[:n]), "more_body": False}
+
+    return head_receive
 
 
 class EdgeMiddleware:
@@ -49,7 +75,8 @@ class EdgeMiddleware:
     * ``/events/*``: the internal token, when one is configured (``X-OpenRL-Internal-Token``
       header or ``?token=``).
     * Bodies: a ``Content-Length`` over ``max_body_bytes`` is answered 413 before anything is
-      read; a chunked body raises :class:`BodyTooLarge` (413) once it passes the limit.
+      read (for :data:`HEAD_PATHS` the route answers it, after reading ``HEAD_BYTES`` to skip
+      the seq_id); a chunked body raises :class:`BodyTooLarge` (413) once it passes the limit.
     """
 
     def __init__(self, app, keys, max_body_bytes: int):
@@ -88,6 +115,9 @@ class EdgeMiddleware:
         limit = self.max_body_bytes
         length = self._header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
+            if path in HEAD_PATHS:  # the route reads the head, skips the seq_id, then answers 413
+                scope.setdefault("state", {})["oversize"] = int(length)
+                return await self.app(scope, _head_only(receive, HEAD_BYTES), send)
             return await self._reject(scope, receive, send, 413,
                                       f"body: request body of {length} bytes exceeds the limit of {limit} bytes", "body")
         seen = 0

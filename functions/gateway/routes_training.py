@@ -115,13 +115,18 @@ async def forward_backward(request: Request) -> dict:
     """Protobuf ForwardBackwardRequest (zstd when Content-Encoding says so)."""
     g = gw(request)
     body = await request.body()
+    encoding = request.headers.get("content-encoding")
+    oversize = getattr(request.state, "oversize", None)
+    if oversize is not None:  # only the head was read (functions/gateway/app.py EdgeMiddleware)
+        await _skip_head(request, body, encoding)
+        raise BodyTooLarge("body", f"request body of {oversize} bytes exceeds the limit of {g.body_limit()} bytes")
     if "protobuf" not in (request.headers.get("content-type") or ""):
         raise UserError("content-type", "forward_backward expects application/x-protobuf")
-    body = _decompress_capped(body, request.headers.get("content-encoding"), g.body_limit())
     try:
+        body = _decompress_capped(body, encoding, g.body_limit())
         fb = proto.decode_forward_backward_request(body)
-    except UserError:
-        await _skip_raw_protobuf(request, body)
+    except UserError:  # BodyTooLarge included
+        await _skip_head(request, body[:proto.HEAD_BYTES], encoding)
         raise
     rec = await g.model(fb.model_id, owner(request))
     require(fb.seq_id >= 1, "seq_id", "must be >= 1")
@@ -209,15 +214,12 @@ async def _skip(g, rec: dict, seq_id: int) -> None:
     await g.submit("skip", rid, rec["model_id"], {"model_id": rec["model_id"], "seq_id": seq_id}, model=rec)
 
 
-async def _skip_raw_protobuf(request: Request, body: bytes) -> None:
-    """A body whose datums failed to decode may still name a run and seq_id: skip that seq_id."""
-    try:
-        msg = proto.ForwardBackwardRequest.FromString(body)
-        rec = await gw(request).model(msg.model_id, owner(request))
-    except Exception:  # noqa: BLE001 - not even the envelope parses: the gap timeout covers it
-        return
-    if msg.seq_id >= 1:
-        await _skip(gw(request), rec, msg.seq_id)
+async def _skip_head(request: Request, head: bytes, encoding: str | None) -> None:
+    """A forward_backward body the gateway will not decode (too large, broken datums) may
+    still name the caller's run and a seq_id in its first bytes: skip that seq_id."""
+    model_id, seq_id = proto.peek_run_and_seq(head, encoding)
+    if model_id is not None and seq_id is not None:
+        await _skip_owned(request, model_id, seq_id)
 
 
 async def _model_from_raw(request: Request):
