@@ -512,14 +512,13 @@ def test_seq_gap_timeout_fails_the_waiting_request(ctx):
 
 
 def test_raw_run_still_trains_after_every_rejection(ctx):
-    """Every rejected seq_id of the raw run was skipped at the edge: the next one runs at once
-    (well before the gap timeout) and returns a loss."""
-    t0 = time.monotonic()
+    """Every rejected seq_id of the raw run was skipped at the edge: the next one runs and
+    returns a loss. (Had one not been skipped, this request would wait for the missing seq_id
+    and fail after the gap timeout with a JSON error, category "user", instead.)"""
     r = ctx.http.post("/forward_backward", content=fb_body(ctx.run, ctx.next_seq()), headers=PB)
     assert r.status_code == 200, r.text
     res = wait_future(ctx.http, r.json()["request_id"])
     assert res.headers["content-type"] == "application/x-protobuf", res.text
-    assert time.monotonic() - t0 < GAP_TIMEOUT_S, "the run waited for a rejected seq_id"
     assert ctx.seq > 5  # the cases above did consume seq_ids of this run
 
 

@@ -206,7 +206,7 @@ def test_slow_query_times_out_with_zero(db_path, examples, sql):
     r, res = env.score(sql, by_template(examples, "count_status"))
     elapsed = time.monotonic() - t0
     assert r == 0.0 and res.kind == "timeout"
-    assert elapsed < 0.3 + 1.0
+    assert elapsed < 0.3 + 5.0  # both queries run for ever (or ~1e10 rows) unless cut off
     assert sha256(db_path) == before
 
 
@@ -217,7 +217,7 @@ def test_row_limit(db_path, examples):
     assert r == 0.0 and res.kind == "too_many_rows"
     t0 = time.monotonic()  # an endless row stream stops at the limit, long before the time limit
     r, res = env.score("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT x FROM c", e)
-    assert r == 0.0 and res.kind == "too_many_rows" and time.monotonic() - t0 < 1.0
+    assert r == 0.0 and res.kind == "too_many_rows" and time.monotonic() - t0 < 5.0
     r, res = env.score("SELECT * FROM order_items LIMIT 50", e)
     assert res.ok and len(res.rows) == 50
 
