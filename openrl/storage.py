@@ -258,6 +258,17 @@ class Storage:
         """
         raise NotImplementedError
 
+    def copy(self, src: TinkerPath, dst: TinkerPath, manifest: dict) -> dict:
+        """Store the files of checkpoint ``src`` under ``dst`` (create-only) with ``manifest``,
+        inside the store: no bytes pass through this process (hard links on a file system, a
+        server-side copy in GCS). ``manifest["files"]`` must be ``src``'s file table.
+
+        Raises:
+            NotFound: no checkpoint at ``src``.
+            CheckpointExists: something is already stored at ``dst``.
+        """
+        raise NotImplementedError
+
     # ---- trainer run state (mutable; outside the tinker:// namespace) -------------------
 
     def put_run_state(self, run_id: str, local_dir: Path, info: dict, expect: str | None) -> str:
@@ -365,6 +376,28 @@ class FileStorage(Storage):
         if not d.exists():
             raise NotFound("checkpoint_id", f"no checkpoint at {path}")
         shutil.rmtree(d)
+
+    def copy(self, src: TinkerPath, dst: TinkerPath, manifest: dict) -> dict:
+        source = self.get_dir(src)
+        dest = self._dir(dst)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".tmp-"))
+        try:
+            for name in manifest["files"]:
+                check_name(name, "source_path")
+                try:
+                    os.link(source / name, tmp / name)  # shared, immutable bytes
+                except OSError:
+                    shutil.copy2(source / name, tmp / name)  # another file system
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            try:
+                os.rename(tmp, dest)
+            except OSError as exc:
+                raise CheckpointExists("path", f"{dst} already exists; saved weights are immutable") from exc
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return manifest
 
     # ---- run state -------------------------------------------------------------------------
 

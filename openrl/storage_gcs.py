@@ -179,6 +179,37 @@ class GCSStorage(Storage):
             if not ok:
                 self._cleanup(created)
 
+    def copy(self, src: TinkerPath, dst: TinkerPath, manifest: dict) -> dict:
+        """Server-side copy (GCS rewrite) of ``src``'s objects to ``dst``, create-only, then
+        ``manifest``; a failed copy removes the objects it created."""
+        gx = _gexc()
+        if self._read_manifest_blob(src) is None:
+            raise NotFound("source_path", f"no checkpoint at {src}")
+        if self._read_manifest_blob(dst) is not None:
+            raise CheckpointExists("path", f"{dst} already exists; saved weights are immutable")
+        sbase, dbase = self._ckpt_prefix(src), self._ckpt_prefix(dst)
+        created: list[tuple[str, int]] = []
+        ok = False
+        try:
+            for name in sorted(manifest["files"]):
+                check_name(name, "source_path")
+                try:
+                    blob = self.bucket.copy_blob(self.bucket.blob(sbase + name), self.bucket, dbase + name,
+                                                 if_generation_match=0)
+                except gx.PreconditionFailed as exc:
+                    raise CheckpointExists("path", f"{dst}: object {name!r} already exists") from exc
+                created.append((dbase + name, int(blob.generation or 0)))
+            try:
+                self.bucket.blob(dbase + MANIFEST).upload_from_string(
+                    json.dumps(manifest, indent=1).encode(), content_type="application/json", if_generation_match=0)
+            except gx.PreconditionFailed as exc:
+                raise CheckpointExists("path", f"{dst} already exists; saved weights are immutable") from exc
+            ok = True
+            return manifest
+        finally:
+            if not ok:
+                self._cleanup(created)
+
     def _cleanup(self, created: list[tuple[str, int]]) -> None:
         """Best-effort delete of the objects a failed put created (only those generations)."""
         gx = _gexc()

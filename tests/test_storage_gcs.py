@@ -343,3 +343,26 @@ def test_large_object_streams(gcs, tmp_path):
     # upload holds one resumable chunk (8 MiB) plus a copy at most; download streams small blocks
     assert up_peak < 0.5 * size, f"upload peak {up_peak / 2**20:.1f} MiB for a {size >> 20} MiB file"
     assert down_peak < 0.2 * size, f"download peak {down_peak / 2**20:.1f} MiB for a {size >> 20} MiB file"
+
+
+@pytest.mark.parametrize("backend", ["file", "gcs"])
+def test_copy_inside_the_store(backend, gcs, tmp_path):
+    """Storage.copy (copy_weights): the files of a checkpoint under a new path with a new
+    manifest, verified on read; create-only; the source stays; deleting the source leaves the
+    copy readable; a missing source is NotFound. GCS copies server-side (no download)."""
+    store = FileStorage(tmp_path / "fs") if backend == "file" else gcs()
+    src, m = put(store, "tinker://run-c/weights/s1", FILES, tmp_path)
+    dst = TinkerPath.parse("tinker://run-d/weights/s1")
+    manifest = {**m, "tinker_path": str(dst), "training_run_id": "run-d", "owner": "bob", "copied_from": str(src)}
+    downloads = count_downloads(store) if backend == "gcs" else []
+    assert store.copy(src, dst, manifest) == manifest
+    assert downloads == []
+    assert store.manifest(dst) == manifest and store.manifest(src) == m
+    with pytest.raises(CheckpointExists):
+        store.copy(src, dst, manifest)
+    with pytest.raises(NotFound):
+        store.copy(TinkerPath.parse("tinker://run-c/weights/none"), TinkerPath.parse("tinker://run-e/weights/x"), m)
+    store.delete(src)
+    got = store.get_dir(dst)
+    assert {f.name: f.read_bytes() for f in got.iterdir() if f.name != "manifest.json"} == FILES
+    assert [x["tinker_path"] for x in store.list_run("run-d")] == [str(dst)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 
 import httpx
@@ -230,8 +231,6 @@ def test_unsupported_rest_methods_fail_fast_and_clearly(svc, rest, saved):
     sid = saved["tc"].model_id.split(":")[0]
     with pytest.raises(tinker.BadRequestError, match="not supported"):
         rest.export_session_trace(sid).result(timeout=30)
-    with pytest.raises(tinker.BadRequestError, match="not supported"):
-        rest.copy_weights(saved["state"], destination_project_id="elsewhere").result(timeout=30)
     with pytest.raises(Exception, match="not supported|JWT"):
         rest.whoami().result(timeout=30)  # needs JWT auth: the SDK refuses before any request
 
@@ -436,13 +435,63 @@ def test_base_model_sampling_client(svc):
     assert len(out.sequences) == 2 and all(1 <= len(s.tokens) <= 4 for s in out.sequences)
 
 
+def test_copy_weights_into_a_project_and_train_from_the_copy(svc, zstack, rest, saved, monkeypatch):
+    """RestClient.copy_weights / ServiceClient.copy_weights: the copy lands in a new run of the
+    destination project with the source's kind, name, weights and metadata, its own expiry and
+    shared bytes (hard links in file storage); it samples and seeds a new training run with the
+    source's logprobs, cannot itself be trained on, and a retry with the same idempotency key
+    returns the first copy. Bad fields get a 4xx naming them."""
+    copied = rest.copy_weights(saved["state"], destination_project_id="proj-archive", ttl_seconds=7200).result()
+    run, kind, name = copied.removeprefix("tinker://").split("/")
+    assert (kind, name) == ("weights", "s1") and run != saved["run"]
+    assert run in {r.training_run_id for r in rest.list_training_runs(limit=100, project_id="proj-archive").result()
+                   .training_runs}
+    (ck,) = rest.list_checkpoints(run).result().checkpoints
+    assert ck.tinker_path == copied and ck.expires_at is not None and not ck.public
+    src_info, info = rest.get_weights_info_by_tinker_path(saved["state"]).result(), \
+        rest.get_weights_info_by_tinker_path(copied).result()
+    assert (info.base_model, info.lora_rank) == (src_info.base_model, src_info.lora_rank)
+    root = Path(zstack.storage.removeprefix("file://"))
+    src_dir, dst_dir = root / saved["run"] / "weights" / "s1", root / run / "weights" / "s1"
+    for f in src_dir.iterdir():
+        if f.name != "manifest.json":
+            assert os.path.samefile(f, dst_dir / f.name), f.name  # no bytes duplicated
+
+    monkeypatch.setenv("TINKER_PROJECT_ID", "proj-archive")  # ServiceClient.copy_weights' destination
+    samp = svc.copy_weights(saved["sampler"]).result()
+    assert samp.split("/")[-2:] == ["sampler_weights", "w1"]
+    out = svc.create_sampling_client(model_path=samp).sample(
+        types.ModelInput.from_ints(SEQ[:4]), 1, types.SamplingParams(max_tokens=2, seed=1)).result()
+    assert len(out.sequences[0].tokens) == 2
+
+    from_copy = svc.create_training_client_from_state(copied).result()
+    from_src = svc.create_training_client_from_state(saved["state"]).result()
+    np.testing.assert_allclose(lp_of(from_copy.forward([datum(SEQ)], "cross_entropy").result()),
+                               lp_of(from_src.forward([datum(SEQ)], "cross_entropy").result()), atol=1e-6)
+
+    h = {"X-API-Key": zstack.api_key}
+    api = f"{zstack.base_url}/api/v1"
+    r = httpx.post(f"{api}/optim_step", headers=h, json={"model_id": run, "seq_id": 1,
+                                                          "adam_params": {"learning_rate": 1e-3}})
+    assert r.status_code == 400 and r.json()["field"] == "model_id" and "copy_weights" in r.json()["detail"], r.text
+    body = {"source_path": saved["sampler2"], "destination_project_id": "proj-archive"}
+    first = httpx.post(f"{api}/copy_weights", headers={**h, "X-Idempotency-Key": "k-1"}, json=body)
+    again = httpx.post(f"{api}/copy_weights", headers={**h, "X-Idempotency-Key": "k-1"}, json=body)
+    assert first.status_code == 200 and first.json() == again.json(), (first.text, again.text)
+    for bad, fld in (({"source_path": "tinker://nope:train:0/weights/x", "destination_project_id": "p"}, "source_path"),
+                     ({"source_path": saved["state"]}, "destination_project_id"),
+                     ({"source_path": saved["state"], "destination_project_id": "p", "ttl_seconds": 60}, "ttl_seconds"),
+                     ({"source_path": saved["state"], "session_id": "x"}, "model_seq_id")):
+        r = httpx.post(f"{api}/copy_weights", headers=h, json=bad)
+        assert r.status_code in (400, 404) and r.json()["field"] == fld, (bad, r.text)
+    r = httpx.post(f"{api}/copy_weights", headers={**h, "X-Tinker-Weights-Access-Token": "t"}, json=body)
+    assert r.status_code == 400 and r.json()["field"] == "weights_access_token", r.text
+
+
 def test_service_client_misc_and_admin_routes(svc, zstack, rest, saved, monkeypatch):
-    """copy_weights and the AdminClient routes fail at once with "not supported"; close()
-    finishes the session; create_sampling_client(path) and record_stability_info sampling
-    (accepted; nothing is recorded) work."""
-    monkeypatch.setenv("TINKER_PROJECT_ID", "elsewhere")  # ServiceClient.copy_weights' destination
-    with pytest.raises(tinker.BadRequestError, match="not supported"):
-        svc.copy_weights(saved["state"]).result(timeout=30)
+    """The AdminClient routes fail at once with "not supported"; close() finishes the session;
+    create_sampling_client(path) and record_stability_info sampling (accepted; nothing is
+    recorded) work."""
     with pytest.raises(tinker.BadRequestError, match="not supported"):
         rest.get_audit_log().result(timeout=30)
     with pytest.raises(tinker.BadRequestError, match="not supported"):

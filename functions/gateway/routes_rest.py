@@ -340,16 +340,6 @@ async def export_session_trace(session_id: str, request: Request) -> dict:
                        "use the gateway's logs / metrics instead")
 
 
-@router.post("/copy_weights")
-async def copy_weights(request: Request) -> dict:
-    """``RestClient.copy_weights`` / ``ServiceClient.copy_weights``: not supported (no projects to
-    copy between)."""
-    from openrl.errors import NotSupported
-
-    raise NotSupported("copy_weights", "copying checkpoints into another project (projects are only labels "
-                       "here); publish the checkpoint and create_training_client_from_state from its path instead")
-
-
 @router.get("/audit")
 @router.get("/billing/usage/events")
 @router.get("/billing/usage/checkpoints/current")

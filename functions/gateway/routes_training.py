@@ -62,6 +62,13 @@ async def _new_run(request: Request, session_id: str, model_seq_id: int, base_mo
     return rec
 
 
+def refuse_frozen(rec: dict) -> None:
+    """See :func:`functions.gateway.routes_copy.refuse_frozen` (a run made by copy_weights)."""
+    from functions.gateway.routes_copy import refuse_frozen as refuse
+
+    refuse(rec)
+
+
 def _check_optimizer(opt: dict, field_name: str = "optimizer_config") -> None:
     """Only AdamW is implemented; anything else is refused when the run is created.
 
@@ -131,6 +138,7 @@ async def forward_backward(request: Request) -> dict:
     rec = await g.model(fb.model_id, owner(request))
     require(fb.seq_id >= 1, "seq_id", "must be >= 1")
     try:
+        refuse_frozen(rec)
         _validate_datums(fb, g.vocab_size(rec["base_model"]), g.registry.resolve(rec["base_model"]).max_context_length)
     except UserError:
         await _skip(g, rec, fb.seq_id)
@@ -249,6 +257,9 @@ async def _simple(request: Request, op: str, req, data: dict) -> dict:
     g = gw(request)
     rec = await g.model(req.model_id, owner(request))
     require(req.seq_id is not None and 1 <= req.seq_id <= MAX_SEQ_ID, "seq_id", f"must be between 1 and {MAX_SEQ_ID}")
+    if rec.get("frozen"):
+        await _skip(g, rec, req.seq_id)
+        refuse_frozen(rec)
     rid = request_id_for(req.model_id, req.seq_id)
     data = {"model_id": req.model_id, "seq_id": req.seq_id, **data}
     await g.admit(TRAIN_STREAM, rid)
@@ -286,6 +297,9 @@ async def save_weights_for_sampler(request: Request) -> dict:
     req = await _parse_training(request, wire.SaveWeightsForSamplerRequest)
     g = gw(request)
     rec = await g.model(req.model_id, owner(request))
+    if rec.get("frozen"):
+        await _skip_owned(request, req.model_id, req.seq_id)
+        refuse_frozen(rec)
     data = {"ttl_seconds": req.ttl_seconds, "owner": owner(request)}
     if req.path:
         data["path"] = _checkpoint_path(req.model_id, "sampler_weights", req.path)

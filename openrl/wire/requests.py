@@ -374,11 +374,24 @@ class TtlRequest(WireModel):
 
 
 class CopyWeightsRequest(WireModel):
-    """``/copy_weights``."""
+    """``/copy_weights``: copy ``source_path`` into a new, untrainable training run, either in
+    slot ``model_seq_id`` of the caller's session ``session_id`` or in a new session of project
+    ``destination_project_id``. ``ttl_seconds``: 3600 s (1 hour) to 10 years, or None."""
 
     source_path: str
+    session_id: str | None = None
+    model_seq_id: NonNegInt | None = None
     destination_project_id: str | None = None
-    ttl_seconds: TtlSeconds | None = None
+    ttl_seconds: Annotated[int, Field(ge=3600, le=10 * 365 * 86400)] | None = None
+
+    @model_validator(mode="after")
+    def _destination(self) -> "CopyWeightsRequest":
+        if self.session_id is not None:
+            if self.model_seq_id is None:
+                raise FieldError("model_seq_id", "required with session_id")
+        elif not self.destination_project_id:
+            raise FieldError("destination_project_id", "give destination_project_id, or session_id + model_seq_id")
+        return self
 
 
 class SetSessionProjectRequest(WireModel):

@@ -1,0 +1,114 @@
+"""``POST /api/v1/copy_weights`` (``RestClient.copy_weights``, ``ServiceClient.copy_weights``).
+
+A checkpoint the caller may read (its own, or a published one) is copied into a new
+training run of the caller: in slot ``model_seq_id`` of one of its sessions, or in a new
+session of project ``destination_project_id`` (what the SDK sends). The copy keeps the
+source's kind (``weights`` / ``sampler_weights``) and name, gets its own expiry
+(``ttl_seconds``; the source's is not inherited) and is private. Its bytes are shared with
+the source inside the store (hard links, or a GCS server-side copy), never sent through the
+gateway. The new run holds no trainer state and cannot be trained on: training calls on it
+answer 400 naming ``model_id``; ``create_training_client_from_state`` of the copy trains a
+new run from it. A retried call with the same ``X-Idempotency-Key`` gets the first copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+
+from functions.gateway.deps import gw, owner, parse
+from functions.gateway.routes_training import _owned_manifest, model_id_for
+from openrl import wire
+from openrl.bus import now_iso
+from openrl.errors import NotSupported, UserError
+from openrl.storage import TinkerPath
+
+router = APIRouter(prefix="/api/v1")
+
+IDEMPOTENCY_HEADER = "x-idempotency-key"
+
+
+@router.post("/copy_weights")
+async def copy_weights(request: Request) -> dict:
+    """Returns ``{"tinker_path": "tinker://<new run>/<kind>/<name>"}``.
+
+    Raises:
+        UserError: a field of :class:`openrl.wire.CopyWeightsRequest`; the session slot is taken.
+        NotFound: ``source_path`` is not readable by the caller; ``session_id`` is not theirs.
+        NotSupported: ``X-Tinker-Weights-Access-Token`` (this server issues no access tokens).
+    """
+    req = await parse(request, wire.CopyWeightsRequest)
+    g, who = gw(request), owner(request)
+    if request.headers.get("x-tinker-weights-access-token"):
+        raise NotSupported("weights_access_token", "this server issues no weights access tokens; a checkpoint "
+                           "your API key can read (your own, or a published one) needs none")
+    src = TinkerPath.parse(req.source_path, field="source_path")
+    m = await _owned_manifest(g, src, who, "source_path")
+    idem = request.headers.get(IDEMPOTENCY_HEADER)
+    if idem:
+        done = await g.bus.meta_get("copy", who, idem)
+        if done is not None:
+            return {"tinker_path": done["tinker_path"]}
+
+    if req.session_id is not None:
+        session_id, slot = req.session_id, int(req.model_seq_id)
+        await g.session(session_id, who)
+    else:
+        session_id, slot = uuid.uuid4().hex[:20], 0
+        await g.bus.meta_put({
+            "session_id": session_id, "owner": who, "tags": ["copy_weights"], "user_metadata": {},
+            "display_name": None, "project_id": req.destination_project_id, "sdk_version": None,
+            "created": now_iso(), "last_heartbeat": now_iso(), "status": "finished", "finish_reason": "success",
+            "training_run_ids": [], "sampler_ids": [],
+        }, "session", session_id)
+    model_id = model_id_for(session_id, slot)
+    rec = {
+        "model_id": model_id, "session_id": session_id, "owner": who, "base_model": m.get("base_model"),
+        "lora_config": m.get("lora_config") or {}, "optimizer_config": m.get("optimizer_config"),
+        "tokenizer_id": _tokenizer_id(g, m.get("base_model")), "shard": g.shard_of(model_id),
+        "created": now_iso(), "last_request_time": now_iso(), "user_metadata": {},
+        "frozen": True, "copy_of": str(src),
+    }
+    if not await g.bus.meta_create(rec, "model", model_id):
+        raise UserError("model_seq_id", f"training run {model_id!r} already exists; pick an unused model_seq_id")
+
+    def add(old):
+        old = dict(old or {})
+        old.setdefault("training_run_ids", []).append(model_id)
+        return old
+
+    await g.bus.meta_update(add, "session", session_id)
+    dst = TinkerPath.parse(f"tinker://{model_id}/{src.kind}/{src.name}", field="source_path")
+    now = time.time()
+    manifest = {
+        **m, "tinker_path": str(dst), "training_run_id": model_id, "owner": who, "public": False,
+        "created_unix": now, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+        "ttl_seconds": req.ttl_seconds, "expires_unix": (now + req.ttl_seconds) if req.ttl_seconds else None,
+        "copied_from": str(src),
+    }
+    await asyncio.to_thread(g.storage.copy, src, dst, manifest)
+    if idem:
+        await g.bus.meta_put({"tinker_path": str(dst), "created": now_iso()}, "copy", who, idem)
+    return {"tinker_path": str(dst)}
+
+
+def _tokenizer_id(g, base_model: str | None) -> str | None:
+    try:
+        return g.registry.resolve(base_model).tokenizer_id
+    except Exception:  # noqa: BLE001 - a base model no longer in the registry: the copy still stands
+        return None
+
+
+def refuse_frozen(rec: dict) -> None:
+    """Training calls on a run made by copy_weights are refused.
+
+    Raises:
+        UserError: naming ``model_id``.
+    """
+    if rec.get("frozen"):
+        raise UserError("model_id", f"training run {rec['model_id']!r} holds a copy made by copy_weights "
+                        f"(of {rec.get('copy_of')}) and cannot be trained on; create_training_client_from_state "
+                        "from the copy's path trains a new run from it")
