@@ -322,14 +322,18 @@ class FileStorage(Storage):
             raise UserError("path", f"{path} escapes the storage root")
         return d
 
-    def put_dir(self, path: TinkerPath, local_dir: Path, manifest: dict) -> dict:
+    def _create(self, path: TinkerPath, manifest: dict, fill) -> dict:
+        """Create checkpoint ``path`` atomically: ``fill(tmp_dir)`` puts its files in a
+        temporary directory beside it, which gets the manifest and is renamed into place.
+
+        Raises:
+            CheckpointExists: ``path`` exists (the rename fails on a non-empty directory).
+        """
         dest = self._dir(path)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".tmp-"))
         try:
-            for f in Path(local_dir).iterdir():
-                if f.is_file() and f.name != "manifest.json":
-                    shutil.copy2(f, tmp / f.name)
+            fill(tmp)
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
             try:
                 os.rename(tmp, dest)  # atomic, and fails if dest exists and is non-empty
@@ -339,6 +343,14 @@ class FileStorage(Storage):
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         return manifest
+
+    def put_dir(self, path: TinkerPath, local_dir: Path, manifest: dict) -> dict:
+        def fill(tmp: Path) -> None:
+            for f in Path(local_dir).iterdir():
+                if f.is_file() and f.name != "manifest.json":
+                    shutil.copy2(f, tmp / f.name)
+
+        return self._create(path, manifest, fill)
 
     def get_dir(self, path: TinkerPath) -> Path:
         d = self._dir(path)
@@ -379,25 +391,16 @@ class FileStorage(Storage):
 
     def copy(self, src: TinkerPath, dst: TinkerPath, manifest: dict) -> dict:
         source = self.get_dir(src)
-        dest = self._dir(dst)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".tmp-"))
-        try:
+
+        def fill(tmp: Path) -> None:
             for name in manifest["files"]:
                 check_name(name, "source_path")
                 try:
                     os.link(source / name, tmp / name)  # shared, immutable bytes
                 except OSError:
                     shutil.copy2(source / name, tmp / name)  # another file system
-            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-            try:
-                os.rename(tmp, dest)
-            except OSError as exc:
-                raise CheckpointExists("path", f"{dst} already exists; saved weights are immutable") from exc
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-        return manifest
+
+        return self._create(dst, manifest, fill)
 
     # ---- run state -------------------------------------------------------------------------
 

@@ -147,29 +147,35 @@ class GCSStorage(Storage):
 
     # ---- Storage interface ---------------------------------------------------------------
 
-    def put_dir(self, path: TinkerPath, local_dir: Path, manifest: dict) -> dict:
+    def _create(self, path: TinkerPath, manifest: dict, names: list[str], make_object) -> dict:
+        """Create checkpoint ``path``: ``make_object(name, object_name)`` creates each of
+        ``names`` create-only and returns its generation; the manifest goes last (readers see
+        a checkpoint only once it is whole); on any failure the objects made are removed.
+
+        Raises:
+            CheckpointExists: ``path`` or one of its objects exists (a retried create whose
+                first attempt landed reads back as our own manifest and succeeds).
+        """
         gx = _gexc()
         base = self._ckpt_prefix(path)
         if self._read_manifest_blob(path) is not None:
             raise CheckpointExists("path", f"{path} already exists; saved weights are immutable")
-        files = sorted(f for f in Path(local_dir).iterdir() if f.is_file() and f.name != MANIFEST)
         created: list[tuple[str, int]] = []
         ok = False
         try:
-            for f in files:
-                check_name(f.name, "path")
+            for name in names:
+                check_name(name, "path")
                 try:
-                    created.append((base + f.name, self._upload_file(base + f.name, f)))
+                    created.append((base + name, make_object(name, base + name)))
                 except gx.PreconditionFailed as exc:
                     raise CheckpointExists(
-                        "path", f"{path}: object {f.name!r} already exists (a concurrent or unfinished save); "
+                        "path", f"{path}: object {name!r} already exists (a concurrent or unfinished save); "
                         "saved weights are immutable") from exc
             body = json.dumps(manifest, indent=1).encode()
             mblob = self.bucket.blob(base + MANIFEST)
             try:
                 mblob.upload_from_string(body, content_type="application/json", if_generation_match=0)
             except gx.PreconditionFailed as exc:
-                # A retried create whose first attempt did land reads back as our own manifest.
                 got = self._read_manifest_blob(path)
                 if got is None or got[0] != manifest:
                     raise CheckpointExists("path", f"{path} already exists; saved weights are immutable") from exc
@@ -179,36 +185,22 @@ class GCSStorage(Storage):
             if not ok:
                 self._cleanup(created)
 
+    def put_dir(self, path: TinkerPath, local_dir: Path, manifest: dict) -> dict:
+        files = {f.name: f for f in Path(local_dir).iterdir() if f.is_file() and f.name != MANIFEST}
+        return self._create(path, manifest, sorted(files), lambda name, obj: self._upload_file(obj, files[name]))
+
     def copy(self, src: TinkerPath, dst: TinkerPath, manifest: dict) -> dict:
-        """Server-side copy (GCS rewrite) of ``src``'s objects to ``dst``, create-only, then
-        ``manifest``; a failed copy removes the objects it created."""
-        gx = _gexc()
+        """Server-side copy (GCS rewrite; no bytes through this process) of ``src``'s objects
+        to ``dst``, create-only, then ``manifest``; a failed copy removes what it created."""
         if self._read_manifest_blob(src) is None:
             raise NotFound("source_path", f"no checkpoint at {src}")
-        if self._read_manifest_blob(dst) is not None:
-            raise CheckpointExists("path", f"{dst} already exists; saved weights are immutable")
-        sbase, dbase = self._ckpt_prefix(src), self._ckpt_prefix(dst)
-        created: list[tuple[str, int]] = []
-        ok = False
-        try:
-            for name in sorted(manifest["files"]):
-                check_name(name, "source_path")
-                try:
-                    blob = self.bucket.copy_blob(self.bucket.blob(sbase + name), self.bucket, dbase + name,
-                                                 if_generation_match=0)
-                except gx.PreconditionFailed as exc:
-                    raise CheckpointExists("path", f"{dst}: object {name!r} already exists") from exc
-                created.append((dbase + name, int(blob.generation or 0)))
-            try:
-                self.bucket.blob(dbase + MANIFEST).upload_from_string(
-                    json.dumps(manifest, indent=1).encode(), content_type="application/json", if_generation_match=0)
-            except gx.PreconditionFailed as exc:
-                raise CheckpointExists("path", f"{dst} already exists; saved weights are immutable") from exc
-            ok = True
-            return manifest
-        finally:
-            if not ok:
-                self._cleanup(created)
+        sbase = self._ckpt_prefix(src)
+
+        def copy_object(name: str, obj: str) -> int:
+            blob = self.bucket.copy_blob(self.bucket.blob(sbase + name), self.bucket, obj, if_generation_match=0)
+            return int(blob.generation or 0)
+
+        return self._create(dst, manifest, sorted(manifest["files"]), copy_object)
 
     def _cleanup(self, created: list[tuple[str, int]]) -> None:
         """Best-effort delete of the objects a failed put created (only those generations)."""
