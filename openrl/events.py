@@ -121,6 +121,11 @@ def error_event(request: BaseCloudEvent, message: str, category: str, *, source:
     )
 
 
+def with_extensions(event: BaseCloudEvent, **extensions: str) -> CloudEvent:
+    """A copy of ``event`` with extension attributes added (lower-case alphanumeric names)."""
+    return CloudEvent({**event.get_attributes(), **extensions}, event.get_data())
+
+
 def _trace_context() -> dict[str, str]:
     """``traceparent`` / ``tracestate`` of the current span (the worker's ``handle`` span when a
     function builds its result), so a result event carries its trace back; ``{}`` when tracing is off."""

@@ -180,6 +180,17 @@ def test_sampling_sessions(svc, rest):
     assert lp[0] is None and all(math.isfinite(x) for x in lp[1:])
 
 
+def test_session_trace_export(svc, rest):
+    """export_session_trace (same poll protocol since 0.25): a key-less URL of the session's
+    timeline, with a slice per request of its training run."""
+    tc = new_client(svc, seed=7)
+    tc.forward_backward([datum(SEQ)], "cross_entropy").result()
+    url = rest.export_session_trace(tc.model_id.split(":")[0]).result()
+    doc = json.loads(urllib.request.urlopen(url).read())
+    ops = {e["name"] for e in doc["traceEvents"] if e["ph"] == "X"}
+    assert {"create_model", "forward_backward"} <= ops, ops
+
+
 def test_bad_input_is_a_clear_user_error(svc):
     tc = new_client(svc, seed=7)
     bad = types.Datum(model_input=types.ModelInput.from_ints([10**7, 1]),

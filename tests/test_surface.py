@@ -227,10 +227,45 @@ def test_sessions_get_sampler_project_and_search(svc, rest, saved):
     assert sid in {x.session_id for x in active.sessions}
 
 
+def test_export_session_trace_is_a_timeline_of_the_session(svc, zstack, rest):
+    """RestClient.export_session_trace returns a signed URL (no API key needed) of a Chrome
+    trace-event JSON that ui.perfetto.dev opens: a process per training run and sampling
+    session, a slice per request named by its op, queue time split off, training slices in
+    seq_id order, every sample present; a tampered or expired URL is refused (403), an unknown
+    session is a 404."""
+    other = tinker.ServiceClient(base_url=zstack.base_url, api_key=zstack.api_key)
+    tc = new_client(other, seed=21)
+    sid = tc.model_id.split(":")[0]
+    fbs = [tc.forward_backward([datum(SEQ)], "cross_entropy") for _ in range(2)]
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    [f.result() for f in fbs]
+    sc = tc.save_weights_and_get_sampling_client()
+    samples = [sc.sample(types.ModelInput.from_ints(SEQ[:4]), 1, types.SamplingParams(max_tokens=2, seed=i))
+               for i in range(3)]
+    [s.result() for s in samples]
+
+    url = rest.export_session_trace(sid).result(timeout=60)
+    doc = httpx.get(url, timeout=60).json()  # no X-API-Key
+    names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M"}
+    assert f"training run {tc.model_id}" in names.values(), names
+    assert any(n.startswith(f"sampling session {sid}:sample:") for n in names.values()), names
+    slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] > 1.7e15 for e in slices)  # unix microseconds
+    run_pid = next(p for p, n in names.items() if n == f"training run {tc.model_id}")
+    ops = [(e["args"]["seq_id"], e["name"]) for e in sorted(slices, key=lambda e: e["ts"])
+           if e["pid"] == run_pid and e["cat"] == "run"]
+    assert [op for _, op in ops][:4] == ["create_model", "forward_backward", "forward_backward", "optim_step"], ops
+    assert any(e["name"] == "queued" for e in slices)
+    assert sum(e["name"] == "sample" and e["cat"] == "run" for e in slices) == 3
+    assert all(e["args"]["state"] == "ok" for e in slices if e["pid"] == run_pid)
+
+    assert httpx.get(url.replace("sig=", "sig=0"), timeout=30).status_code == 403
+    assert httpx.get(url.split("?")[0] + "?expires=1&sig=00", timeout=30).status_code == 403
+    with pytest.raises(tinker.NotFoundError):
+        rest.export_session_trace("no-such-session").result(timeout=30)
+
+
 def test_unsupported_rest_methods_fail_fast_and_clearly(svc, rest, saved):
-    sid = saved["tc"].model_id.split(":")[0]
-    with pytest.raises(tinker.BadRequestError, match="not supported"):
-        rest.export_session_trace(sid).result(timeout=30)
     with pytest.raises(Exception, match="not supported|JWT"):
         rest.whoami().result(timeout=30)  # needs JWT auth: the SDK refuses before any request
 

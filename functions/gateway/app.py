@@ -194,11 +194,11 @@ def create_app(
 
     from functions.gateway import (
         routes_copy, routes_download, routes_events, routes_futures, routes_rest, routes_sampling, routes_session,
-        routes_training,
+        routes_trace, routes_training,
     )
 
     for mod in (routes_session, routes_training, routes_sampling, routes_futures, routes_rest, routes_copy,
-                routes_events, routes_download):
+                routes_trace, routes_events, routes_download):
         app.include_router(mod.router)
     app.add_middleware(EdgeMiddleware, keys=keys, max_body_bytes=gw.settings.max_body_bytes)
     from functions.gateway import routes_status

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,6 +214,8 @@ class Gateway:
         JetStream drops it when the first did land (120 s duplicate window), and a later
         duplicate is harmless (the trainer skips seq_ids it applied; a sample is re-run).
         """
+        # "t0": when the request was accepted (unix s); the session trace export starts its slice there
+        future_meta = {**(future_meta or {}), "t0": round(time.time(), 6)}
         created = await self.bus.future_create(request_id, op, meta=future_meta)
         if not created:
             if self.settings.k_sink:  # the sink path forgets a future whose publish failed

@@ -65,10 +65,14 @@ async def _secret(request: Request) -> bytes:
     return key
 
 
+def sign(secret: bytes, what: str, expires: int) -> str:
+    """Hex HMAC-SHA256 over ``"<what>\\n<expires>"``: a download URL's signature."""
+    return hmac.new(secret, f"{what}\n{int(expires)}".encode(), hashlib.sha256).hexdigest()
+
+
 def signature(secret: bytes, path: TinkerPath, file: str, expires: int) -> str:
-    """Hex HMAC-SHA256 over ``"<run>/<kind>/<name>/<file>\\n<expires>"``."""
-    msg = f"{path.key}/{file}\n{int(expires)}".encode()
-    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+    """:func:`sign` over ``"<run>/<kind>/<name>/<file>"``: a checkpoint file's URL."""
+    return sign(secret, f"{path.key}/{file}", expires)
 
 
 def _public_base(request: Request) -> str:

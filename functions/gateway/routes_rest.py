@@ -330,16 +330,6 @@ async def search_sessions(request: Request) -> dict:
     return {"sessions": out, "next_cursor": nxt}
 
 
-@router.get("/sessions/{session_id}/trace_export")
-async def export_session_trace(session_id: str, request: Request) -> dict:
-    """``RestClient.export_session_trace``: not supported (no Perfetto trace export)."""
-    from openrl.errors import NotSupported
-
-    await gw(request).session(session_id, owner(request))
-    raise NotSupported("RestClient.export_session_trace", "Perfetto trace export of sessions is not implemented; "
-                       "use the gateway's logs / metrics instead")
-
-
 @router.get("/audit")
 @router.get("/billing/usage/events")
 @router.get("/billing/usage/checkpoints/current")

@@ -42,12 +42,15 @@ async def handle_event(function, event, *, source: str, deliver=None):
     with logs.context(**fields), tracing.span(f"handle {op}", kind="consumer", attributes=attrs,
                                               parent=tracing.event_carrier(event)) as span:
         metrics.WORKER_IN_FLIGHT.labels(name).inc()
+        started = time.time()
         t0 = time.perf_counter()
         try:
             result = await events.run_handler(function.handle, event, source=source)
         finally:
             metrics.WORKER_IN_FLIGHT.labels(name).dec()
         dt = time.perf_counter() - t0
+        if result is not None:  # when the worker took the request up (unix s): the trace export's queue/run split
+            result = events.with_extensions(result, handlestart=f"{started:.6f}")
         outcome = "none" if result is None else (result.get_extension("outcome") or "ok")
         metrics.WORKER_REQUESTS.labels(name, op, outcome).inc()
         metrics.WORKER_REQUEST_SECONDS.labels(name, op).observe(dt)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from openrl import events, tracing
 from openrl.bus import Bus, FutureRecord
 
@@ -21,10 +23,16 @@ async def store_result(bus: Bus, result) -> None:
 async def _store_result(bus: Bus, result) -> None:
     # keep the pending record's meta: its "owner" is what lets only the caller's key read the result
     old = await bus.future_get(result.get_subject())
+    meta = dict(old.meta or {}) if old is not None else {}
+    meta["t1"] = round(time.time(), 6)  # answered (unix s); "t0" accepted, "ts" taken up by the worker
+    started = result.get_extension("handlestart")
+    if started:
+        meta["ts"] = float(started)
     rec = FutureRecord(
         state="ok" if result.get_extension("outcome") != "error" else "error",
+        op=old.op if old is not None else "",
         content_type=result.get_datacontenttype() or events.JSON,
         body=events.data_bytes(result),
-        meta=old.meta if old is not None else None,
+        meta=meta,
     )
     await bus.future_put(result.get_subject(), rec)
