@@ -492,9 +492,11 @@ def test_copy_weights_into_a_project_and_train_from_the_copy(svc, zstack, rest, 
         if f.name != "manifest.json":
             assert os.path.samefile(f, dst_dir / f.name), f.name  # no bytes duplicated
 
+    # sampler checkpoints of its own: other tests delete the fixture's
+    own, own2 = (saved["tc"].save_weights_for_sampler(n).result().path for n in ("cw1", "cw2"))
     monkeypatch.setenv("TINKER_PROJECT_ID", "proj-archive")  # ServiceClient.copy_weights' destination
-    samp = svc.copy_weights(saved["sampler"]).result()
-    assert samp.split("/")[-2:] == ["sampler_weights", "w1"]
+    samp = svc.copy_weights(own).result()
+    assert samp.split("/")[-2:] == ["sampler_weights", "cw1"]
     out = svc.create_sampling_client(model_path=samp).sample(
         types.ModelInput.from_ints(SEQ[:4]), 1, types.SamplingParams(max_tokens=2, seed=1)).result()
     assert len(out.sequences[0].tokens) == 2
@@ -509,7 +511,7 @@ def test_copy_weights_into_a_project_and_train_from_the_copy(svc, zstack, rest, 
     r = httpx.post(f"{api}/optim_step", headers=h, json={"model_id": run, "seq_id": 1,
                                                           "adam_params": {"learning_rate": 1e-3}})
     assert r.status_code == 400 and r.json()["field"] == "model_id" and "copy_weights" in r.json()["detail"], r.text
-    body = {"source_path": saved["sampler2"], "destination_project_id": "proj-archive"}
+    body = {"source_path": own2, "destination_project_id": "proj-archive"}
     first = httpx.post(f"{api}/copy_weights", headers={**h, "X-Idempotency-Key": "k-1"}, json=body)
     again = httpx.post(f"{api}/copy_weights", headers={**h, "X-Idempotency-Key": "k-1"}, json=body)
     assert first.status_code == 200 and first.json() == again.json(), (first.text, again.text)
