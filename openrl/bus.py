@@ -231,21 +231,42 @@ class Bus:
                 await asyncio.sleep(0.005)
         raise RuntimeError(f"meta_update: too much contention on {key}")
 
-    async def meta_list(self, prefix: str) -> list[dict]:
-        """All metadata records whose first key part is ``prefix``."""
-        want = kv_key(prefix) + "."
+    async def kv_keys(self, bucket: str, prefix: str = "") -> list[str]:
+        """Keys of KV bucket ``bucket`` that hold a value and start with ``prefix``.
+
+        ``prefix`` is a whole key part plus ``"."`` (``kv_key(part) + "."``) or empty; the
+        server filters by it. The bucket's stream is read with an ordered, headers-only
+        consumer delivering the last message per key until a message reports nothing pending.
+        (nats-py's ``KeyValue.keys()`` is not used: its end-of-data marker races the
+        deliveries, and under load it can answer "no keys" for a full bucket.)
+        """
+        stream, pre = f"KV_{bucket}", f"$KV.{bucket}."
         try:
-            # nats-py's keys(filters=...) matches filters as plain substrings (a NATS wildcard
-            # such as "X.>" never matches), so list every key and keep the prefix here.
-            keys = [k for k in await self.meta.keys() if k.startswith(want)]
+            if not (await self.js.stream_info(stream)).state.messages:
+                return []
         except NotFoundError:
             return []
-        except Exception as exc:  # nats-py raises NoKeysError when empty
-            if type(exc).__name__ == "NoKeysError":
+        sub = await self.js.subscribe(pre + (prefix + ">" if prefix else ">"), stream=stream, ordered_consumer=True,
+                                      deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT, headers_only=True)
+        keys: list[str] = []
+        try:
+            info = await sub.consumer_info()  # server-side counts: no race with the deliveries
+            if info.num_pending == 0 and info.delivered.consumer_seq == 0:
                 return []
-            raise
+            while True:
+                msg = await sub.next_msg(timeout=self.js._timeout)
+                h = msg.headers or {}
+                if h.get("KV-Operation") not in ("DEL", "PURGE") and not h.get("Nats-Marker-Reason"):
+                    keys.append(msg.subject[len(pre):])
+                if msg.metadata.num_pending == 0:
+                    return keys
+        finally:
+            await sub.unsubscribe()
+
+    async def meta_list(self, prefix: str) -> list[dict]:
+        """All metadata records whose first key part is ``prefix``."""
         out = []
-        for k in keys:
+        for k in await self.kv_keys(META_BUCKET, kv_key(prefix) + "."):
             try:
                 entry = await self.meta.get(k)
             except KeyNotFoundError:

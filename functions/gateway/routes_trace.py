@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse
 
 from functions.gateway.deps import gw, owner
 from functions.gateway.routes_download import _forbidden, _public_base, _secret, sign, url_ttl_s
-from openrl.bus import Bus, FutureRecord, kv_key_decode
+from openrl.bus import FUTURES_BUCKET, Bus, FutureRecord, kv_key_decode
 from openrl.errors import NotFound
 
 router = APIRouter()
@@ -64,14 +64,8 @@ async def session_futures(bus: Bus, session_id: str) -> list[tuple[str, FutureRe
     Request ids start with ``<session_id>:`` (runs are ``<session>:train:<n>``, sampling
     sessions ``<session>:sample:<n>``). Reads every key of the bucket: an export, not a hot path.
     """
-    from nats.js.errors import NoKeysError
-
-    try:
-        keys = await bus.futures.keys()
-    except NoKeysError:
-        return []
     out = []
-    for key in keys:
+    for key in await bus.kv_keys(FUTURES_BUCKET):
         try:
             (rid,) = kv_key_decode(key)
         except Exception:  # noqa: BLE001 - not one of ours
