@@ -47,29 +47,26 @@ def _mark(path: Path, name: str) -> None:
     os.replace(tmp, path.with_name(path.name + ".held"))
 
 
+def _held(name: str) -> Path | None:
+    """The hold file if it lists ``name`` (marked as held), else None."""
+    raw = os.environ.get(ENV)
+    if not raw or not _listed(Path(raw), name):
+        return None
+    _mark(Path(raw), name)
+    return Path(raw)
+
+
 def hold(name: str) -> bool:
     """Block (polling) while the hold file lists ``name``. Returns True if it held."""
-    raw = os.environ.get(ENV)
-    if not raw:
-        return False
-    path = Path(raw)
-    if not _listed(path, name):
-        return False
-    _mark(path, name)
-    while _listed(path, name):
+    path = _held(name)
+    while path is not None and _listed(path, name):
         time.sleep(POLL_S)
-    return True
+    return path is not None
 
 
 async def hold_async(name: str) -> bool:
     """:func:`hold` without blocking the event loop."""
-    raw = os.environ.get(ENV)
-    if not raw:
-        return False
-    path = Path(raw)
-    if not _listed(path, name):
-        return False
-    _mark(path, name)
-    while _listed(path, name):
+    path = _held(name)
+    while path is not None and _listed(path, name):
         await asyncio.sleep(POLL_S)
-    return True
+    return path is not None

@@ -37,6 +37,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE_MODEL, _make_stack
+from test_trainer_resume import _assert_same  # logprobs and weights equal at 1e-6, and it trained
 from openrl import proto
 from openrl.embedded import wait_port
 from openrl.storage import RUNSTATE_DIR, TinkerPath
@@ -169,16 +170,6 @@ def _cursor(stack, run: str) -> int | None:
 
     f = stack.state_dir / "storage" / RUNSTATE_DIR / run / "HEAD.json"
     return json.loads(f.read_text())["cursor"] if f.exists() else None
-
-
-def _assert_same(lps, ref_lps, w, ref_w) -> None:
-    assert len(lps) == len(ref_lps)
-    for a, b in zip(lps, ref_lps):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
-    assert w.keys() == ref_w.keys()
-    for k in w:
-        np.testing.assert_allclose(w[k], ref_w[k], rtol=0, atol=1e-6, err_msg=k)
-    assert any(np.abs(v).max() > 0 for k, v in w.items() if "lora_B" in k)  # it did train
 
 
 def _raw(stack) -> httpx.Client:

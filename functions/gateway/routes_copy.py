@@ -7,7 +7,7 @@ source's kind (``weights`` / ``sampler_weights``) and name, gets its own expiry
 (``ttl_seconds``; the source's is not inherited) and is private. Its bytes are shared with
 the source inside the store (hard links, or a GCS server-side copy), never sent through the
 gateway. The new run holds no trainer state and cannot be trained on: training calls on it
-answer 400 naming ``model_id``; ``create_training_client_from_state`` of the copy trains a
+answer 400 naming ``model_id`` (:func:`functions.gateway.routes_training.refuse_frozen`); ``create_training_client_from_state`` of the copy trains a
 new run from it. A retried call with the same ``X-Idempotency-Key`` gets the first copy.
 """
 
@@ -100,15 +100,3 @@ def _tokenizer_id(g, base_model: str | None) -> str | None:
         return g.registry.resolve(base_model).tokenizer_id
     except Exception:  # noqa: BLE001 - a base model no longer in the registry: the copy still stands
         return None
-
-
-def refuse_frozen(rec: dict) -> None:
-    """Training calls on a run made by copy_weights are refused.
-
-    Raises:
-        UserError: naming ``model_id``.
-    """
-    if rec.get("frozen"):
-        raise UserError("model_id", f"training run {rec['model_id']!r} holds a copy made by copy_weights "
-                        f"(of {rec.get('copy_of')}) and cannot be trained on; create_training_client_from_state "
-                        "from the copy's path trains a new run from it")

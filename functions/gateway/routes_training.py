@@ -63,10 +63,23 @@ async def _new_run(request: Request, session_id: str, model_seq_id: int, base_mo
 
 
 def refuse_frozen(rec: dict) -> None:
-    """See :func:`functions.gateway.routes_copy.refuse_frozen` (a run made by copy_weights)."""
-    from functions.gateway.routes_copy import refuse_frozen as refuse
+    """Training calls on a run made by copy_weights (:mod:`functions.gateway.routes_copy`) are refused.
 
-    refuse(rec)
+    Raises:
+        UserError: naming ``model_id``.
+    """
+    if rec.get("frozen"):
+        raise UserError("model_id", f"training run {rec['model_id']!r} holds a copy made by copy_weights "
+                        f"(of {rec.get('copy_of')}) and cannot be trained on; create_training_client_from_state "
+                        "from the copy's path trains a new run from it")
+
+
+async def _refuse_if_frozen(g, rec: dict, seq_id: int | None) -> None:
+    """:func:`refuse_frozen`, after skipping ``seq_id`` (the SDK has used it up)."""
+    if rec.get("frozen"):
+        if seq_id is not None and 1 <= seq_id <= MAX_SEQ_ID:
+            await _skip(g, rec, seq_id)
+        refuse_frozen(rec)
 
 
 def _check_optimizer(opt: dict, field_name: str = "optimizer_config") -> None:
@@ -257,9 +270,7 @@ async def _simple(request: Request, op: str, req, data: dict) -> dict:
     g = gw(request)
     rec = await g.model(req.model_id, owner(request))
     require(req.seq_id is not None and 1 <= req.seq_id <= MAX_SEQ_ID, "seq_id", f"must be between 1 and {MAX_SEQ_ID}")
-    if rec.get("frozen"):
-        await _skip(g, rec, req.seq_id)
-        refuse_frozen(rec)
+    await _refuse_if_frozen(g, rec, req.seq_id)
     rid = request_id_for(req.model_id, req.seq_id)
     data = {"model_id": req.model_id, "seq_id": req.seq_id, **data}
     await g.admit(TRAIN_STREAM, rid)
@@ -297,9 +308,7 @@ async def save_weights_for_sampler(request: Request) -> dict:
     req = await _parse_training(request, wire.SaveWeightsForSamplerRequest)
     g = gw(request)
     rec = await g.model(req.model_id, owner(request))
-    if rec.get("frozen"):
-        await _skip_owned(request, req.model_id, req.seq_id)
-        refuse_frozen(rec)
+    await _refuse_if_frozen(g, rec, req.seq_id)
     data = {"ttl_seconds": req.ttl_seconds, "owner": owner(request)}
     if req.path:
         data["path"] = _checkpoint_path(req.model_id, "sampler_weights", req.path)

@@ -85,6 +85,21 @@ def gave_up_message(event, deliveries: int | None) -> str:
             "(it crashed or lost its NATS connection each time); retry it, and see the worker logs")
 
 
+async def give_up(bus: Bus, event, deliveries: int | None, *, source: str) -> bool:
+    """Fail a dead request's future (:func:`fail_undelivered`) and, for a training request,
+    skip its seq_id (:func:`publish_skip`; if that publish fails the gap timeout moves the
+    run on instead). Returns whether the future was failed."""
+    if not await fail_undelivered(bus, event, gave_up_message(event, deliveries), source=source):
+        return False
+    gap = dead_seq(event)
+    if gap is not None:
+        try:
+            await publish_skip(bus, *gap)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not publish a skip for %s: %s", event.get_id(), exc)
+    return True
+
+
 class DeadLetterWatcher:
     """Fails the futures of requests that reached the consumer's ``max_deliver``.
 
@@ -134,16 +149,9 @@ class DeadLetterWatcher:
         except Exception as exc:  # noqa: BLE001 - not a CloudEvent: nothing to fail
             log.error("dead message %s/%d is not a CloudEvent: %s", self.stream, seq, exc)
         else:
-            failed = await fail_undelivered(self.bus, event, gave_up_message(event, adv.get("deliveries")),
-                                            source=self.source)
+            failed = await give_up(self.bus, event, adv.get("deliveries"), source=self.source)
             log.error("request %s reached max deliveries (%s) on %s/%s; future %s", event.get_id(),
                       adv.get("deliveries"), self.stream, self.durable, "failed" if failed else "already done")
-            gap = dead_seq(event) if failed else None
-            if gap is not None:
-                try:
-                    await publish_skip(self.bus, *gap)
-                except Exception as exc:  # noqa: BLE001 - the gap timeout moves the run on instead
-                    log.warning("could not publish a skip for %s: %s", event.get_id(), exc)
         try:
             await self.bus.js.delete_msg(self.stream, seq)
         except Exception as exc:  # noqa: BLE001

@@ -18,8 +18,7 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from openrl import events, testhooks
 from openrl.bindings import handle_event
-from openrl.bindings.deadletter import (DeadLetterWatcher, dead_seq, fail_undelivered, gave_up_message,
-                                        publish_skip)
+from openrl.bindings.deadletter import DeadLetterWatcher, give_up
 from openrl.bindings.results import store_result
 from openrl.bus import Bus
 
@@ -106,10 +105,7 @@ class JetStreamWorker:
         try:
             if event is not None and delivered >= self.bus.max_deliver:
                 log.exception("request failed in the binding on its last delivery (%d)", delivered)
-                if await fail_undelivered(self.bus, event, gave_up_message(event, delivered), source=self.source):
-                    seq = dead_seq(event)
-                    if seq is not None:
-                        await publish_skip(self.bus, *seq)
+                await give_up(self.bus, event, delivered, source=self.source)
                 await msg.term()
             else:
                 log.exception("request failed in the binding; it will be redelivered")
