@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv (Python 3.11+) and install openrl with its test extras.
-# torch is pinned to the CPU build 2.13.0 in pyproject.toml; installing it first keeps
-# pip from resolving a CUDA build.
+# pyproject.toml accepts torch>=2.11,<2.14 (vLLM's CUDA build on a GPU machine: pip install
+# -e ".[vllm]"); this script installs the CPU wheel torch==2.13.0 first, so that pip finds the
+# requirement met and never pulls a CUDA build onto a CPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
