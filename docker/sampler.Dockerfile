@@ -3,6 +3,9 @@
 # (2.11.0, CUDA 13), so openrl is installed without its torch pin: its other dependencies
 # come from pyproject.toml, versions from docker/constraints-sampler.txt.
 # Needs an NVIDIA driver >= 580 on the node (GKE: gpu_driver_version = "LATEST").
+# It runs on the GPU by default (OPENRL_DEVICE=auto: cuda when torch sees one, with bf16
+# base weights; openrl/device.py); the gke-gpu overlay sets OPENRL_DEVICE=cuda and
+# OPENRL_SAMPLER_BACKEND=vllm.
 # Build from the repository root:
 #   docker build -f docker/sampler.Dockerfile -t REGISTRY/sampler:TAG .
 FROM nvidia/cuda:13.0.1-base-ubuntu24.04 AS build
@@ -18,7 +21,10 @@ RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 RUN pip install pip==25.2 setuptools==80.9.0
 COPY docker/constraints-sampler.txt /tmp/constraints.txt
-RUN pip install -c /tmp/constraints.txt vllm==0.24.0
+# vLLM and its torch come from PyPI, whose Linux x86_64 wheels are CUDA builds (never the
+# +cpu wheel index the gateway image uses); the build fails if torch is not one.
+RUN pip install -c /tmp/constraints.txt vllm==0.24.0 \
+    && python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 'torch is not a CUDA build')"
 COPY . /src
 RUN python -c "import tomllib; print('\n'.join(d for d in tomllib.load(open('/src/pyproject.toml', 'rb'))['project']['dependencies'] if not d.startswith('torch')))" > /tmp/requirements.txt \
     && pip install -c /tmp/constraints.txt -r /tmp/requirements.txt \
@@ -44,7 +50,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     XDG_CACHE_HOME=/tmp/cache \
     TRITON_CACHE_DIR=/tmp/cache/triton \
     VLLM_CACHE_ROOT=/tmp/cache/vllm \
-    VLLM_USE_FLASHINFER_SAMPLER=0
+    VLLM_USE_FLASHINFER_SAMPLER=0 \
+    OPENRL_DEVICE=auto
 USER 10001:10001
 EXPOSE 8080
 # For docker run; in the cluster the Knative Service's probes do this.

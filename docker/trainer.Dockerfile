@@ -1,6 +1,8 @@
 # syntax=docker/dockerfile:1
 # openrl trainer image: torch (CUDA 13 build from PyPI) + peft on a CUDA base.
 # Needs an NVIDIA driver >= 580 on the node (GKE: gpu_driver_version = "LATEST").
+# It runs on the GPU by default (OPENRL_DEVICE=auto: cuda when torch sees one, with bf16
+# base weights; openrl/device.py); the gke-gpu overlay sets OPENRL_DEVICE=cuda.
 # Build from the repository root:
 #   docker build -f docker/trainer.Dockerfile -t REGISTRY/trainer:TAG .
 FROM nvidia/cuda:13.0.1-base-ubuntu24.04 AS build
@@ -16,7 +18,13 @@ RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 RUN pip install pip==25.2 setuptools==80.9.0
 COPY docker/constraints.txt /tmp/constraints.txt
-RUN pip install -c /tmp/constraints.txt torch==2.13.0
+# torch's CUDA build: PyPI's Linux x86_64 wheel of torch 2.13.0 is built against CUDA 13
+# (the gateway image takes the +cpu wheel from download.pytorch.org/whl/cpu instead). For
+# another CUDA, pass e.g. --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130.
+# The build fails if what got installed is not a CUDA build (no GPU is needed to check).
+ARG TORCH_INDEX_URL=https://pypi.org/simple
+RUN pip install --index-url "${TORCH_INDEX_URL}" -c /tmp/constraints.txt torch==2.13.0 \
+    && python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 'torch is not a CUDA build')"
 COPY . /src
 RUN pip install --no-build-isolation -c /tmp/constraints.txt /src \
     && openrl models build --dir /opt/openrl/models/tiny-qwen3 --quiet
@@ -38,7 +46,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HOME=/tmp/hf \
     HF_HUB_OFFLINE=1 \
     XDG_CACHE_HOME=/tmp/cache \
-    TRITON_CACHE_DIR=/tmp/cache/triton
+    TRITON_CACHE_DIR=/tmp/cache/triton \
+    OPENRL_DEVICE=auto
 USER 10001:10001
 EXPOSE 8080
 # For docker run; in the cluster the Knative Service's probes do this.

@@ -549,6 +549,40 @@ def test_cpu_dev_has_no_gpu():
         assert "nodeSelector" not in k["spec"]["template"]["spec"], name
 
 
+def test_gpu_overlay_runs_functions_on_cuda():
+    """On GKE every trainer shard and the sampler say OPENRL_DEVICE=cuda (openrl/device.py
+    then refuses to start without a GPU instead of silently using the CPU) next to their
+    nvidia.com/gpu limit, and the sampler samples with vLLM."""
+    docs = build("knative/overlays/gke-gpu")
+    by_fn: dict[str, list[str]] = {}
+    for name, k in ksvcs(docs).items():
+        fn = function_of(k)
+        by_fn.setdefault(fn, []).append(name)
+        env = env_of(docs, k)
+        if fn == "gateway":
+            assert env.get("OPENRL_DEVICE") in (None, "cpu"), name
+            continue
+        assert env.get("OPENRL_DEVICE") == "cuda", name
+        assert container(k)["resources"]["limits"].get("nvidia.com/gpu") == "1", name
+        if fn == "sampler":
+            assert env.get("OPENRL_SAMPLER_BACKEND") == "vllm", name
+        else:
+            assert env.get("OPENRL_SAMPLER_BACKEND") is None, name
+    shards = int(next(d for d in objects(docs, "ConfigMap") if d["metadata"]["name"].startswith("openrl-env"))
+                 ["data"]["OPENRL_TRAINER_SHARDS"])
+    assert sorted(by_fn["trainer"]) == [f"trainer-shard-{i}" for i in range(shards)], by_fn
+    assert by_fn["sampler"] == ["sampler"], by_fn
+
+
+def test_cpu_dev_runs_functions_on_cpu():
+    docs = build("knative/overlays/cpu-dev")
+    for name, k in ksvcs(docs).items():
+        env = env_of(docs, k)
+        assert env.get("OPENRL_DEVICE") == "cpu", name
+        assert env.get("OPENRL_SAMPLER_BACKEND") in (None, "auto", "hf"), name
+        assert "nvidia.com/gpu" not in container(k)["resources"].get("limits", {}), name
+
+
 # ------------------------------------------------------------- containers, env
 
 
@@ -647,6 +681,7 @@ def test_gke_overlay_placeholders_and_identity():
     tokens = set(re.findall(r"\bOPENRL_[A-Z_]+\b", text)) - {
         "OPENRL_STORAGE", "OPENRL_NATS_URL", "OPENRL_MODEL_REGISTRY", "OPENRL_API_KEYS_FILE",
         "OPENRL_TRAINER_SHARDS", "OPENRL_TRAINER_SHARD", "OPENRL_ROLE", "OPENRL_INTERNAL_TOKEN",
+        "OPENRL_DEVICE", "OPENRL_SAMPLER_BACKEND",
     }
     assert tokens == {"OPENRL_IMAGE_REPO", "OPENRL_IMAGE_TAG", "OPENRL_BUCKET", "OPENRL_GSA_EMAIL",
                       "OPENRL_EVENTS_TOKEN"}, tokens
@@ -756,6 +791,38 @@ def test_dockerfile_facts(function):
                     skip = token in with_value
                     continue
                 assert re.fullmatch(r"[\w.\-\[\]]+==[\w.+]+", token), f"{path.name}: unpinned pip package {token!r}"
+
+
+GPU_DOCKERFILES = ("trainer", "sampler")
+CPU_TORCH = re.compile(r"download\.pytorch\.org/whl/cpu|torch==[\w.]+\+cpu")
+
+
+@pytest.mark.parametrize("function", GPU_DOCKERFILES)
+def test_gpu_images_install_cuda_torch(function):
+    """The trainer and sampler images are CUDA images: a CUDA base in every stage, torch
+    (vLLM's for the sampler) from a CUDA wheel source, never the CPU wheel index the gateway
+    image uses; the build checks ``torch.version.cuda``; and they run with OPENRL_DEVICE=auto
+    (cuda where torch sees a GPU, openrl/device.py)."""
+    path = DOCKERFILES[function]
+    ins = dockerfile_instructions(path)
+    code = " ".join(f"{word} {rest}" for word, rest in ins)  # comments left out
+    assert not CPU_TORCH.search(code), f"{path.name} installs the CPU torch build"
+    args = {}
+    for word, rest in ins:
+        if word == "ARG" and "=" in rest:
+            k, v = rest.split("=", 1)
+            args[k] = v.strip('"')
+    assert not CPU_TORCH.search(" ".join(args.values())), args
+    froms = [rest.split()[0] for word, rest in ins if word == "FROM"]
+    assert froms and all(ref.startswith("nvidia/cuda:") for ref in froms), froms
+    runs = " ".join(rest for word, rest in ins if word == "RUN")
+    wanted = "vllm==" if function == "sampler" else "torch=="
+    assert re.search(r"pip install [^&;|]*" + re.escape(wanted), runs), f"{path.name}: no {wanted} install"
+    assert "torch.version.cuda" in runs, f"{path.name}: the build must check that torch is a CUDA build"
+    env = " ".join(rest for word, rest in ins if word == "ENV")
+    assert re.search(r"(^|\s)OPENRL_DEVICE=auto(\s|$)", env), f"{path.name}: ENV OPENRL_DEVICE=auto missing"
+    # the CPU image still takes the CPU wheel (a multi-GB CUDA torch the gateway never uses)
+    assert CPU_TORCH.search(" ".join(rest for _, rest in dockerfile_instructions(DOCKERFILES["gateway"])))
 
 
 def _requirement_name(req: str) -> str:
