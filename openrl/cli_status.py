@@ -5,7 +5,7 @@ against any deployment:
 
 | command | routes |
 |---|---|
-| ``openrl status`` | ``GET /api/v1/status`` (workers, queues), ``GET /api/v1/training_runs``, ``GET /api/v1/sessions`` |
+| ``openrl status`` | ``GET /api/v1/status`` (workers with their device / dtype / backend, queues), ``GET /api/v1/training_runs``, ``GET /api/v1/sessions`` |
 | ``openrl runs list`` | ``GET /api/v1/training_runs`` |
 | ``openrl checkpoints list RUN`` | ``GET /api/v1/training_runs/{RUN}/checkpoints`` |
 
@@ -152,9 +152,11 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"flight on this replica, {total_runs} training runs and {len(sessions.get('sessions', []))} "
               f"sessions for this key ({gw.get('time')})")
     con.print(_table("Workers (JetStream consumers)",
-                     ["function", "shard", "state", "queued", "running", "pulls", "redelivered", "idle s"],
-                     [[w["function"], w.get("shard"), w["state"], w["num_pending"], w["num_ack_pending"],
-                       w["num_waiting"], w["num_redelivered"], w.get("idle_s")] for w in status.get("workers", [])]))
+                     ["function", "shard", "state", "device", "dtype", "backend", "queued", "running", "pulls",
+                      "redelivered", "idle s"],
+                     [[w["function"], w.get("shard"), w["state"], w.get("device"), w.get("dtype"), w.get("backend"),
+                       w["num_pending"], w["num_ack_pending"], w["num_waiting"], w["num_redelivered"], w.get("idle_s")]
+                      for w in status.get("workers", [])]))
     con.print(_table("Queues", ["stream", "messages", "size"],
                      [[q["stream"], q["messages"], _size(q.get("bytes"))] for q in status.get("queues", [])]))
     con.print(_table(f"Training runs (latest {args.limit})", RUN_COLUMNS, _run_rows(runs.get("training_runs", [])),

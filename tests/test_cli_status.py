@@ -38,6 +38,12 @@ def test_status_json(capsys, stack, api_key, run_with_checkpoint):
     assert workers["trainer-0"]["last_active"] is not None and workers["trainer-0"]["idle_s"] >= 0
     for w in workers.values():
         assert w["state"] in ("polling", "busy", "idle"), w
+        # what the worker runs on, from its record in the meta bucket (openrl/worker.py)
+        assert {"device", "dtype", "backend"} <= set(w), w
+    from functions.trainer.function import TrainerFunction
+
+    if hasattr(TrainerFunction, "describe"):  # the embedded stack has no GPU
+        assert workers["trainer-0"]["device"] == "cpu", workers["trainer-0"]
     assert {q["stream"] for q in st["queues"]} == {"OPENRL_TRAIN", "OPENRL_SAMPLE"}
     assert run_id in [r["training_run_id"] for r in st["training_runs"]["training_runs"]]
     assert st["training_runs"]["cursor"]["total_count"] >= 1 and len(st["sessions"]["sessions"]) >= 1
@@ -47,7 +53,8 @@ def test_status_tables(capsys, monkeypatch, stack, api_key, run_with_checkpoint)
     monkeypatch.setenv("COLUMNS", "200")
     rc, out, _ = openrl(capsys, stack, api_key, "status")
     assert rc == 0
-    for text in ("Workers", "trainer", "sampler", "Queues", "OPENRL_TRAIN", "OPENRL_SAMPLE", "Training runs"):
+    for text in ("Workers", "trainer", "sampler", "device", "dtype", "backend", "Queues", "OPENRL_TRAIN",
+                 "OPENRL_SAMPLE", "Training runs"):
         assert text in out, text
 
 

@@ -8,18 +8,23 @@ labelled by owner id, never by key). It reads the JetStream queue depths at scra
     {"gateway": {"time", "futures_in_flight"},
      "queues":  [{"stream", "messages", "bytes"}],
      "workers": [{"function", "shard", "stream", "consumer", "state", "num_pending",
-                  "num_ack_pending", "num_waiting", "num_redelivered", "last_active", "idle_s"}]}
+                  "num_ack_pending", "num_waiting", "num_redelivered", "last_active", "idle_s",
+                  "device", "dtype", "backend"}]}
 
 A worker kind is a durable JetStream consumer (``trainer-<shard>``, ``sampler``); its
 ``state`` says whether someone is pulling (``polling``), requests run (``busy``), work
 waits with nobody pulling (``backlog``: no live worker) or nothing happens (``idle``).
-See :func:`openrl.metrics.queue_status`.
+See :func:`openrl.metrics.queue_status`. ``device`` / ``dtype`` / ``backend`` (e.g.
+``cuda`` / ``bfloat16`` / ``vllm``; ``backend`` is ``pending`` until the first model load)
+come from the newest live record a JetStream worker of that function and shard keeps in
+the meta bucket (:class:`openrl.worker.WorkerPresence`); None when no live worker wrote one.
 
 :func:`install` adds the request metrics / trace middleware and these routes to the app.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 from fastapi import APIRouter, FastAPI, Request
@@ -30,6 +35,7 @@ from openrl import metrics
 from openrl.bus import now_iso
 
 router = APIRouter()
+log = logging.getLogger("openrl.gateway.status")
 
 
 @router.get("/metrics")
@@ -43,26 +49,36 @@ async def prometheus_metrics(request: Request) -> Response:
     return Response(content=body, media_type=ctype)
 
 
-def _function_of(consumer: str) -> tuple[str, int | None]:
-    name, _, shard = consumer.partition("-")
-    return name, (int(shard) if shard.isdigit() else None)
+async def build_status(bus) -> dict:
+    """The answer of ``GET /api/v1/status`` (see the module doc for the shape), read from
+    JetStream (consumers, streams) and the worker records of the meta bucket."""
+    from openrl.worker import function_of_consumer, worker_records
 
-
-@router.get("/api/v1/status")
-async def status(request: Request) -> dict:
-    """Workers (JetStream consumers) and queues; see the module doc for the shape."""
-    owner(request)  # the caller has a valid key (checked by the gateway's edge middleware)
-    streams = await metrics.refresh_queue_gauges(gw(request).bus)
+    streams = await metrics.refresh_queue_gauges(bus)
+    try:
+        records = await worker_records(bus)
+    except Exception:  # noqa: BLE001 - the records are extra information: never fail the status for them
+        log.warning("could not read the worker records", exc_info=True)
+        records = {}
     workers = []
     for s in streams:
         for c in s["consumers"]:
-            fn, shard = _function_of(c["consumer"])
-            workers.append({"function": fn, "shard": shard, "stream": s["stream"], **c})
+            fn, shard = function_of_consumer(c["consumer"])
+            rec = records.get((fn, shard)) or {}
+            workers.append({"function": fn, "shard": shard, "stream": s["stream"], **c,
+                            "device": rec.get("device"), "dtype": rec.get("dtype"), "backend": rec.get("backend")})
     return {
         "gateway": {"time": now_iso(), "futures_in_flight": len(metrics.FUTURES)},
         "queues": [{"stream": s["stream"], "messages": s["messages"], "bytes": s["bytes"]} for s in streams],
         "workers": workers,
     }
+
+
+@router.get("/api/v1/status")
+async def status(request: Request) -> dict:
+    """Workers (JetStream consumers, with what they run on) and queues; see the module doc."""
+    owner(request)  # the caller has a valid key (checked by the gateway's edge middleware)
+    return await build_status(gw(request).bus)
 
 
 class ObserveMiddleware:

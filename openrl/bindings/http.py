@@ -6,7 +6,9 @@
   mode (``application/cloudevents+json``) and replies ``200`` with the result event in
   binary mode, which Knative Eventing sends back to the broker as the reply. A body that
   is not a CloudEvent gets ``400``.
-- ``GET /metrics``: Prometheus metrics (:mod:`openrl.metrics`).
+- ``GET /metrics``: Prometheus metrics (:mod:`openrl.metrics`), including
+  ``openrl_function_info{function,device,dtype,backend}`` from the Function's
+  ``describe()``, set after ``start()`` and refreshed at each scrape.
 - ``GET /healthz/live`` and ``/healthz/ready`` are the liveness / readiness probes
   (``ready`` is false until the Function's ``start()`` has loaded its model, and again
   once draining started).
@@ -31,11 +33,23 @@ from openrl.bindings import handle_event, load_function
 
 
 def create_app(function, cfg: dict | None = None, *, source: str = "/openrl/function") -> FastAPI:
-    """Wrap ``function`` (the Function contract) in a FastAPI CloudEvent receiver."""
+    """Wrap ``function`` (the Function contract) in a FastAPI CloudEvent receiver.
+
+    Args:
+        function: the Function.
+        cfg: its ``start()`` config.
+        source: CloudEvent ``source`` of result events; its last path segment names the
+            function in metrics (``/openrl/trainer`` -> ``trainer``).
+    """
+    from openrl import metrics
+    from openrl.worker import describe
+
+    name = source.rstrip("/").rsplit("/", 1)[-1]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await function.start(cfg or {})
+        metrics.set_function_info(name, describe(function))
         yield
         await function.stop()
 
@@ -54,8 +68,7 @@ def create_app(function, cfg: dict | None = None, *, source: str = "/openrl/func
     @app.get("/metrics")
     async def metrics_route():
         """Prometheus metrics of this function (see :mod:`openrl.metrics`)."""
-        from openrl import metrics
-
+        metrics.set_function_info(name, describe(function))  # backend / dtype change at the first model load
         body, ctype = metrics.exposition()
         return Response(content=body, media_type=ctype)
 
