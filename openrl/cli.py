@@ -3,8 +3,10 @@
 Subcommands::
 
     openrl models build [--dir DIR] [--seed N] [--force] [--quiet]
-    openrl models list
-    openrl serve [--host H] [--port P] [--storage URL] [--no-build]
+    openrl models list [--json]
+    openrl models add NAME DIR [--dtype D] [--max-context-length N] / openrl models remove NAME
+    openrl serve [--host H] [--port P] [--storage URL] [--no-build] [--model NAME=DIR ...]
+    openrl run [--model NAME=DIR ...] SCRIPT [-- ARGS]
     openrl status [--base-url URL] [--api-key KEY] [--json]
     openrl runs list [--limit N] / openrl checkpoints list RUN
 
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from openrl.errors import OpenRLError
-from openrl.registry import RegistryError, state_dir
+from openrl.registry import RegistryError, overlay_path, state_dir
 
 Configure = Callable[["argparse._SubParsersAction", argparse.ArgumentParser], None]
 _COMMANDS: list[Configure] = []
@@ -61,25 +63,95 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
     from openrl.registry import ModelRegistry
 
     reg = ModelRegistry.load(args.registry, models_dir=args.state_dir / "models")
+
+    def state(e) -> str:
+        if e.build:
+            return "built" if modelbuild.is_built(e.path) else "missing (openrl models build)"
+        return "present" if e.path.is_dir() else "missing"
+
     if args.json:
         rows = [
-            {**e.capability(), "path": str(e.path), "tokenizer_id": e.tokenizer_id, "built": modelbuild.is_built(e.path)}
+            {**e.capability(), "path": str(e.path), "tokenizer_id": e.tokenizer_id, "dtype": e.dtype,
+             "built": modelbuild.is_built(e.path), "state": state(e),
+             "source": str(reg.overlay if e.name in reg.overlay_names else reg.source)}
             for e in reg
         ]
         print(json.dumps(rows, indent=2))
         return 0
     print(f"# registry: {reg.source}")
+    print(f"# user overlay: {reg.overlay or overlay_path(reg.models_dir)}"
+          + (f" ({len(reg.overlay_names)} entries, marked *)" if reg.overlay else " (none; openrl models add)"))
     for e in reg:
-        state = "built" if modelbuild.is_built(e.path) else ("missing (openrl models build)" if e.build else "missing")
         flags = ",".join(f for f, on in (("train", e.trainable), ("sample", e.sampleable)) if on) or "-"
-        print(f"{e.name}\t{e.max_context_length}\t{flags}\t{e.path}\t{state}")
+        mark = "*" if e.name in reg.overlay_names else ""
+        print(f"{e.name}{mark}\t{e.max_context_length}\t{e.dtype}\t{flags}\t{e.path}\t{state(e)}")
     return 0
+
+
+def _cmd_models_add(args: argparse.Namespace) -> int:
+    from openrl.registry import add_model
+
+    _announce(add_model(args.name, args.dir, models_dir=args.state_dir / "models", dtype=args.dtype,
+                        max_context_length=args.max_context_length), args.state_dir, sys.stdout)
+    return 0
+
+
+def _cmd_models_remove(args: argparse.Namespace) -> int:
+    from openrl.registry import remove_model
+
+    ov = remove_model(args.name, models_dir=args.state_dir / "models")
+    print(f"{args.name}: removed from {ov}")
+    return 0
+
+
+def _announce(entry, state: Path, out) -> None:
+    from openrl.registry import ModelRegistry, overlay_path
+
+    ov = overlay_path(state / "models")
+    base = ModelRegistry.load(models_dir=state / "models", overlay=False)
+    note = f" (overrides the entry in {base.source})" if entry.name in base else ""
+    print(f"{entry.name}: {entry.path} (dtype {entry.dtype}, max_context_length {entry.max_context_length}) "
+          f"registered in {ov}{note}", file=out)
+
+
+def model_spec(text: str) -> tuple[str, str]:
+    """Parse ``--model NAME=DIR`` (split at the first ``=``) into ``(NAME, DIR)``.
+
+    Raises:
+        argparse.ArgumentTypeError: no ``=``, or an empty name or directory.
+    """
+    name, sep, directory = text.partition("=")
+    if not sep or not name.strip() or not directory.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR (e.g. Qwen/Qwen3-4B-Instruct-2507=/models/qwen3-4b), "
+                                         f"got {text!r}")
+    return name.strip(), directory.strip()
+
+
+def register_models(specs: Sequence[tuple[str, str]], state: Path) -> list:
+    """Validate and write each ``(NAME, DIR)`` of ``--model`` to ``<state>/models.toml``
+    (:func:`openrl.registry.add_model`), before the stack starts; reports each on stderr.
+
+    Returns:
+        The registered :class:`~openrl.registry.ModelEntry` objects.
+
+    Raises:
+        openrl.modelcheck.ModelDirError: a directory is not a loadable causal LM.
+        RegistryError: an invalid name, or an overlay that does not load.
+    """
+    from openrl.registry import add_model
+
+    entries = []
+    for name, directory in specs or ():
+        entry = add_model(name, directory, models_dir=state / "models")
+        _announce(entry, state, sys.stderr)
+        entries.append(entry)
+    return entries
 
 
 @command
 def _configure_models(sub, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("models", parents=[common], help="build and list base models")
-    msub = p.add_subparsers(dest="models_command", metavar="{build,list}", required=True)
+    p = sub.add_parser("models", parents=[common], help="build, list, add and remove base models")
+    msub = p.add_subparsers(dest="models_command", metavar="{build,list,add,remove}", required=True)
 
     b = msub.add_parser(
         "build",
@@ -99,6 +171,28 @@ def _configure_models(sub, common: argparse.ArgumentParser) -> None:
     ls.add_argument("--json", action="store_true", help="JSON output")
     ls.set_defaults(func=_cmd_models_list)
 
+    from openrl.registry import DTYPE_NAMES
+
+    a = msub.add_parser(
+        "add",
+        parents=[common],
+        help="register a local Hugging Face causal-LM directory under a Tinker base-model name",
+        description="Check DIR (config.json that transformers loads as a causal LM, weights, tokenizer; "
+        "weights are not loaded) and write NAME -> DIR to <state_dir>/models.toml, which the gateway, "
+        "trainer and sampler merge on top of the packaged registry. An existing NAME is replaced.",
+    )
+    a.add_argument("name", help="Tinker base-model name, e.g. Qwen/Qwen3-4B-Instruct-2507")
+    a.add_argument("dir", help="model directory (Hugging Face layout)")
+    a.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                   help="base-weight dtype (default auto: bfloat16 on CUDA, float32 on CPU)")
+    a.add_argument("--max-context-length", type=int, default=None,
+                   help="prompt + completion limit in tokens (default 4096)")
+    a.set_defaults(func=_cmd_models_add)
+
+    rm = msub.add_parser("remove", parents=[common], help="remove a model added with `openrl models add`")
+    rm.add_argument("name")
+    rm.set_defaults(func=_cmd_models_remove)
+
 
 # -- serve ----------------------------------------------------------------------------------
 
@@ -107,6 +201,7 @@ def _cmd_serve(args: argparse.Namespace) -> int | None:
     if not args.storage:
         args.storage = f"file://{args.state_dir / 'storage'}"
     args.build = not args.no_build
+    register_models(args.model, args.state_dir)
     from openrl import embedded  # lazy: pulls in the whole stack
 
     return embedded.main(args)
@@ -125,6 +220,8 @@ def _configure_serve(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--no-build", action="store_true", help="do not build missing base models at start")
     p.add_argument("--push", action="store_true", help="functions as HTTP receivers behind a local dispatcher "
                    "(the Knative Eventing push path) instead of JetStream pull workers")
+    p.add_argument("--model", action="append", type=model_spec, default=[], metavar="NAME=DIR",
+                   help="register a local model directory first (as `openrl models add NAME DIR`); repeatable")
     p.set_defaults(func=_cmd_serve)
 
 
@@ -134,6 +231,7 @@ def _configure_serve(sub, common: argparse.ArgumentParser) -> None:
 def _cmd_run(args: argparse.Namespace) -> int:
     if args.script_args and args.script_args[0] == "--":
         args.script_args = args.script_args[1:]
+    register_models(args.model, args.state_dir)
     from openrl import embedded
 
     return embedded.run_script(args)
@@ -153,6 +251,9 @@ def _configure_run(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", default=None, help="weight storage URL (default file://<state_dir>/storage)")
     p.add_argument("--no-build", action="store_true")
     p.add_argument("--push", action="store_true", help="functions as HTTP receivers behind a local dispatcher")
+    p.add_argument("--model", action="append", type=model_spec, default=[], metavar="NAME=DIR",
+                   help="register a local model directory first (as `openrl models add NAME DIR`); repeatable; "
+                   "before SCRIPT")
     p.set_defaults(func=_cmd_run)
 
 
