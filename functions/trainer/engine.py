@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from functions.trainer import losses
-from functions.trainer.optim import AdamConfig, RunOptimizer
+from functions.trainer.optim import AdamConfig, RunOptimizer, step_many
 from openrl.errors import NotFound, ServerError, UserError
 from openrl.lora import (
     ADAPTER_CONFIG_NAME,
@@ -166,6 +166,8 @@ class TrainerEngine:
     def _setup(self, base, base_model_dir: Path, device, max_rows: int, max_tokens: int, chunk_tokens: int) -> None:
         self.base_model_dir = base_model_dir
         base.to(device).eval()
+        #: dtype of the frozen base weights (adapters and optimizer state are float32)
+        self.dtype = next(base.parameters()).dtype
         self.model = MultiLoRAModel(base)
         self.device = torch.device(device)
         #: fused-kernel status per kernel (empty on CPU); see openrl.numerics.accelerate_model
@@ -296,12 +298,35 @@ class TrainerEngine:
             for m, grads in snapshot.items():
                 for p, g in zip(self.runs[m].optimizer.params, grads):
                     p.grad = g
+            del snapshot
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                return self._after_oom(items, results, valid, all_rows, e)
             err = ServerError(f"forward_backward pass failed: {type(e).__name__}: {e}")
             for i in valid:
                 results[i] = FwdBwdResult(error=err)
             return results
         for i in valid:
             results[i].metrics["loss:sum"] = float(loss_sums[i])
+        return results
+
+    def _after_oom(self, items, results, valid, rows, exc) -> list[FwdBwdResult]:
+        """A packed pass ran out of GPU memory (gradients already restored): free the cache and
+        run each request alone, so only a request too big by itself fails (with a message
+        saying so) and the others' results are as if packed."""
+        torch.cuda.empty_cache()
+        if len(valid) > 1:
+            for i in valid:
+                results[i] = self.forward_backward([items[i]])[0]
+            return results
+        tokens = sum(r.n for r in rows)
+        free, total = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0)
+        err = ServerError(
+            f"CUDA out of memory running this forward_backward ({len(rows)} datums, {tokens} tokens) on "
+            f"{self.device} ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free after the failure): send fewer or "
+            f"shorter datums per request, or give the trainer more GPU memory (openrl serve --trainer-gpu-memory). "
+            f"Nothing was applied; the trainer keeps serving. ({str(exc).splitlines()[0][:200]})")
+        for i in valid:
+            results[i] = FwdBwdResult(error=err)
         return results
 
     def _run_micro_batch(
@@ -371,6 +396,32 @@ class TrainerEngine:
         run = self._run(model_id)
         cfg = adam if isinstance(adam, AdamConfig) else AdamConfig.parse(adam)
         return run.optimizer.step(cfg)
+
+    def optim_step_many(
+        self, steps: Sequence[tuple[str, Mapping[str, object] | AdamConfig]]
+    ) -> list[dict[str, float] | Exception]:
+        """One AdamW step for each of several runs as one fused multi-tensor update
+        (:func:`functions.trainer.optim.step_many`); each run keeps its own ``AdamParams``.
+
+        Args:
+            steps: ``(model_id, adam params)``, at most one per run.
+
+        Returns:
+            per step, in order: its metrics (as :meth:`optim_step`), or the ``NotFound`` /
+            ``UserError`` of an invalid step (that run is not stepped; the others are).
+        """
+        out: list[dict[str, float] | Exception | None] = [None] * len(steps)
+        valid: list[tuple[int, RunOptimizer, AdamConfig]] = []
+        for i, (model_id, adam) in enumerate(steps):
+            try:
+                run = self._run(model_id)
+                valid.append((i, run.optimizer, adam if isinstance(adam, AdamConfig) else AdamConfig.parse(adam)))
+            except (NotFound, UserError) as e:
+                out[i] = e
+        if valid:
+            for (i, _, _), m in zip(valid, step_many([(opt, cfg) for _, opt, cfg in valid])):
+                out[i] = m
+        return out  # type: ignore[return-value]
 
     def zero_grad(self, model_id: str) -> None:
         self._run(model_id).optimizer.zero_grad()

@@ -27,7 +27,7 @@ from openrl.registry import ModelRegistry
 from openrl.storage import CheckpointExists, TinkerPath, build_manifest, open_storage
 
 from functions.trainer.durable import RunDurability
-from functions.trainer.scheduler import Pending, Scheduler
+from functions.trainer.scheduler import PackPolicy, Pending, Scheduler
 
 SOURCE = "/openrl/trainer"
 
@@ -49,15 +49,22 @@ class TrainerFunction:
         """Read config, open storage, start the scheduler.
 
         cfg keys (env fallbacks): ``storage`` (OPENRL_STORAGE), ``models_dir`` (OPENRL_HOME/models),
-        ``registry`` (OPENRL_MODEL_REGISTRY), ``device`` (OPENRL_DEVICE, default cpu),
+        ``registry`` (OPENRL_MODEL_REGISTRY), ``device`` (OPENRL_DEVICE: auto | cpu | cuda[:N]; default
+        auto = CUDA when available, see :mod:`openrl.device`; base weights load in the registry
+        entry's dtype, bf16 on CUDA and float32 on CPU by default), ``gpu_memory`` (OPENRL_TRAINER_GPU_MEMORY:
+        the fraction of the GPU's memory this process may allocate, for a GPU shared with a sampler;
+        unset = all), ``pack_max_delay_s`` (OPENRL_PACK_MAX_DELAY_S: the longest a ready pass waits
+        for other active runs, seconds; 0 = never wait, see :class:`PackPolicy`),
         ``gap_timeout_s`` (OPENRL_SEQ_GAP_TIMEOUT_S, seconds), ``max_seq_ahead`` (OPENRL_MAX_SEQ_AHEAD:
         seq_ids more than this past a run's next one fail with category "user"),
         ``preload`` (base-model names to load now),
         ``flush_interval_s`` (OPENRL_FLUSH_INTERVAL_S), ``restore_wait_s`` (OPENRL_RESTORE_WAIT_S).
 
         Raises:
-            ValueError: a flush / restore setting that is not a number >= 0.
+            ValueError: a flush / restore setting that is not a number >= 0, an unknown device, or
+                a GPU memory fraction outside (0, 1].
         """
+        from openrl.device import resolve_device
         from openrl.runtime import configure_torch_threads
 
         configure_torch_threads()
@@ -66,12 +73,16 @@ class TrainerFunction:
         reg = cfg.get("registry") or os.environ.get("OPENRL_MODEL_REGISTRY")
         self.registry = cfg.get("registry_obj") or ModelRegistry.load(
             Path(reg) if reg else None, models_dir=Path(cfg.get("models_dir") or home / "models"))
-        self.device = cfg.get("device") or os.environ.get("OPENRL_DEVICE", "cpu")
+        self.device = resolve_device(cfg.get("device"))
+        self._limit_gpu_memory(cfg.get("gpu_memory") or os.environ.get("OPENRL_TRAINER_GPU_MEMORY"))
+        delay = cfg.get("pack_max_delay_s")
+        policy = PackPolicy(max_delay_s=float(delay if delay is not None else
+                                              os.environ.get("OPENRL_PACK_MAX_DELAY_S", "0.25")))
         self.scheduler = Scheduler(
             self._run_packed, self._run_single, lambda mid: self.run_base.get(mid, ""),
             gap_timeout_s=float(cfg.get("gap_timeout_s") or os.environ.get("OPENRL_SEQ_GAP_TIMEOUT_S", "300")),
             max_ahead=int(cfg.get("max_seq_ahead") or os.environ.get("OPENRL_MAX_SEQ_AHEAD", "10000")),
-            on_pass=self._account, gap_error=self._gap_error,
+            on_pass=self._account, gap_error=self._gap_error, run_optims=self._run_optims, policy=policy,
         )
         self.durable = RunDurability.from_cfg(self, self.storage, cfg)
         self.scheduler.start()
@@ -97,6 +108,31 @@ class TrainerFunction:
         await self.durable.wait_idle()  # creates / restores / unloads already under way
         await self.durable.flush_all(final=True)
 
+    def _limit_gpu_memory(self, fraction) -> None:
+        """Cap this process's CUDA allocations at ``fraction`` of the device (a GPU shared with
+        the vLLM sampler: see ``openrl serve --trainer-gpu-memory``); beyond it an allocation
+        raises ``torch.cuda.OutOfMemoryError``, which fails that request only."""
+        self.gpu_memory = None
+        if fraction in (None, "") or not self.device.startswith("cuda"):
+            return
+        f = float(fraction)
+        if not 0 < f <= 1:
+            raise ValueError(f"OPENRL_TRAINER_GPU_MEMORY must be a fraction in (0, 1], got {fraction!r}")
+        import torch
+
+        torch.cuda.set_per_process_memory_fraction(f, torch.device(self.device))
+        self.gpu_memory = f
+
+    def describe(self) -> dict:
+        """What ``openrl status`` shows of this worker: device, base-weight dtype(s), backend."""
+        from openrl.device import dtype_name
+
+        dtypes = sorted({dtype_name(e.dtype) for e in self.engines.values()})
+        out = {"device": self.device, "dtype": ",".join(dtypes) if dtypes else "pending", "backend": "torch"}
+        if getattr(self, "gpu_memory", None):
+            out["gpu_memory"] = str(self.gpu_memory)
+        return out
+
     def alive(self) -> bool:
         return True
 
@@ -110,12 +146,14 @@ class TrainerFunction:
         """Load (once) the engine of a base model; runs in worker threads, so concurrent first
         requests wait for one load (two at once raced in transformers' lazy imports)."""
         from functions.trainer.engine import TrainerEngine
+        from openrl.device import resolve_dtype
 
         entry = self.registry.resolve(base_model)
         key = str(entry.path)
         with self._engine_load_lock:
             if key not in self.engines:
-                self.engines[key] = TrainerEngine(Path(entry.path), device=self.device)
+                dtype = resolve_dtype(getattr(entry, "dtype", None), self.device)
+                self.engines[key] = TrainerEngine(Path(entry.path), device=self.device, dtype=dtype)
         return key
 
     def _engine(self, model_id: str):
@@ -226,7 +264,7 @@ class TrainerFunction:
             if key is not None:
                 async with self._lock:
                     await asyncio.to_thread(self.engines[key].delete_run, model_id)
-            self.scheduler.runs.pop(model_id, None)
+            self.scheduler.forget(model_id)
             await self.durable.forget(model_id)  # an unloaded run is not restored
         return {"model_id": model_id, "type": "unload_model"}
 
@@ -281,6 +319,14 @@ class TrainerFunction:
             else:
                 out.append(proto.encode_forward_backward_output(r.loss_fn_outputs, r.metrics))
         return out
+
+    async def _run_optims(self, items: list[Pending]) -> list:
+        """The ready optim_steps of several runs of one base model, as one fused AdamW update."""
+        engine = self._engine(items[0].model_id)
+        steps = [(p.model_id, p.payload.get("adam_params") or {}) for p in items]
+        async with self._lock:
+            results = await asyncio.to_thread(engine.optim_step_many, steps)
+        return [r if isinstance(r, BaseException) else {"metrics": r or {}} for r in results]
 
     async def _run_single(self, p: Pending):
         if p.op == "skip":

@@ -19,7 +19,7 @@ every parameter's moments and applies weight decay.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
@@ -94,34 +94,44 @@ class RunOptimizer:
 
     def grad_norm(self) -> float:
         """Global L2 norm of the current gradients (0 if none)."""
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [p.grad.float() for p in self.params if p.grad is not None]
         if not grads:
             return 0.0
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+        return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
 
     @torch.no_grad()
     def step(self, adam: AdamConfig | Mapping[str, object]) -> dict[str, float]:
         """Clip, apply one AdamW step with ``adam``'s hyperparameters, zero the gradients.
 
+        The same arithmetic as :func:`step_many` with this run alone (so a run stepped alone
+        and one stepped with others end with equal weights).
+
         Returns:
             metrics: ``grad_norm:mean`` (global norm before clipping), ``learning_rate:mean``.
         """
-        cfg = adam if isinstance(adam, AdamConfig) else AdamConfig.parse(adam)
+        return step_many([(self, adam)])[0]
+
+    def _prepare(self, cfg: AdamConfig) -> float:
+        """Fill missing gradients with zeros, clip (per run), create lazy state; returns the
+        pre-clip global gradient norm."""
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         norm = self.grad_norm()
         if cfg.grad_clip_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip_norm)
-        for g in self.opt.param_groups:
+        for g in self.opt.param_groups:  # kept in the torch optimizer's state_dict
             g["lr"] = cfg.learning_rate
             g["betas"] = (cfg.beta1, cfg.beta2)
             g["eps"] = cfg.eps
             g["weight_decay"] = cfg.weight_decay
-        self.opt.step()
-        self.steps += 1
-        self.zero_grad()
-        return {"grad_norm:mean": norm, "learning_rate:mean": cfg.learning_rate}
+        for p in self.params:
+            st = self.opt.state[p]
+            if not st:  # as torch.optim.AdamW initialises it
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return norm
 
     def state_dict(self) -> dict:
         """torch.save-able state: per-parameter-name moments and step counts (CPU tensors)."""
@@ -162,5 +172,77 @@ class RunOptimizer:
         self.steps = int(state.get("steps", 0))
 
 
-def adam_config_dict(cfg: AdamConfig) -> dict[str, float]:
-    return asdict(cfg)
+@torch.no_grad()
+def step_many(steps: Sequence[tuple[RunOptimizer, AdamConfig | Mapping[str, object]]]) -> list[dict[str, float]]:
+    """One AdamW step for each of several runs, as one multi-tensor update.
+
+    Every run keeps its own hyperparameters (Tinker's ``AdamParams`` per ``optim_step``
+    request) and its own gradient clipping; the update itself runs as a few
+    ``torch._foreach_*`` kernels over the parameters of *all* runs, with per-tensor scalar
+    lists, instead of about ten kernels per parameter tensor per run (a rank-32 Qwen3-4B
+    adapter has 504 tensors; 8 runs stepped one after another launched ~40k kernels).
+
+    The arithmetic is ``torch.optim.AdamW``'s single-tensor path (PyTorch
+    ``torch/optim/adamw.py`` / ``adam.py``, ``_single_tensor_adam`` with decoupled weight
+    decay), op by op::
+
+        step += 1
+        p *= 1 - lr * weight_decay
+        m.lerp_(g, 1 - beta1) ;  v = v * beta2 + (1 - beta2) * g * g
+        p -= lr / (1 - beta1**step) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps)
+
+    so a run's result does not depend on which other runs were stepped with it.
+
+    Args:
+        steps: ``(optimizer, adam params)`` pairs, at most one per run; a dict is validated
+            with :meth:`AdamConfig.parse` first (so a bad request fails before any run moves).
+
+    Returns:
+        per run, in order: ``{"grad_norm:mean": pre-clip global norm, "learning_rate:mean": lr}``.
+
+    Raises:
+        UserError: ``adam_params.<key>`` invalid (nothing was stepped).
+    """
+    cfgs = [a if isinstance(a, AdamConfig) else AdamConfig.parse(a) for _, a in steps]
+    norms = [opt._prepare(cfg) for (opt, _), cfg in zip(steps, cfgs)]
+    # group tensors by (device, dtype): foreach kernels need one of each per list
+    groups: dict[tuple, dict[str, list]] = {}
+    for (opt, _), cfg in zip(steps, cfgs):
+        for p in opt.params:
+            st = opt.opt.state[p]
+            st["step"] += 1
+            step = float(st["step"])
+            bc1 = 1 - cfg.beta1 ** step
+            bc2_sqrt = math.sqrt(1 - cfg.beta2 ** step)
+            g = groups.setdefault((p.device, p.dtype), {k: [] for k in
+                                  ("p", "g", "m", "v", "decay", "w1", "b2", "w2", "bc2", "eps", "neg_step")})
+            g["p"].append(p)
+            g["g"].append(p.grad)
+            g["m"].append(st["exp_avg"])
+            g["v"].append(st["exp_avg_sq"])
+            g["decay"].append(1 - cfg.learning_rate * cfg.weight_decay)
+            g["w1"].append(1 - cfg.beta1)
+            g["b2"].append(cfg.beta2)
+            g["w2"].append(1 - cfg.beta2)
+            g["bc2"].append(bc2_sqrt)
+            g["eps"].append(cfg.eps)
+            g["neg_step"].append(-(cfg.learning_rate / bc1))
+    for g in groups.values():
+        torch._foreach_mul_(g["p"], g["decay"])
+        by_w1: dict[float, list[int]] = {}  # lerp's foreach form takes one weight: group by beta1
+        for i, w in enumerate(g["w1"]):
+            by_w1.setdefault(w, []).append(i)
+        for w, idx in by_w1.items():
+            torch._foreach_lerp_([g["m"][i] for i in idx], [g["g"][i] for i in idx], w)
+        torch._foreach_mul_(g["v"], g["b2"])
+        torch._foreach_addcmul_(g["v"], g["g"], g["g"], g["w2"])
+        denom = torch._foreach_sqrt(g["v"])
+        torch._foreach_div_(denom, g["bc2"])
+        torch._foreach_add_(denom, g["eps"])
+        torch._foreach_addcdiv_(g["p"], g["m"], denom, g["neg_step"])
+    out = []
+    for (opt, _), cfg, norm in zip(steps, cfgs, norms):
+        opt.steps += 1
+        opt.zero_grad()
+        out.append({"grad_norm:mean": norm, "learning_rate:mean": cfg.learning_rate})
+    return out

@@ -3,8 +3,21 @@
 Every training request waits in its run's queue until all lower seq_ids have run
 (invariant 2). A single scheduler task then takes, for every run, the longest prefix of
 ready forward / forward_backward requests, and runs the prefixes of all runs that share a
-base model as ONE engine pass (the co-batching of issue 8). Other operations
-(optim_step, save, load) run alone, in order.
+base model as ONE engine pass (the co-batching of issue 8). The ready ``optim_step``s of
+several runs on one base model apply as one fused multi-tensor AdamW update
+(``run_optims``); other operations (save, load) run alone, in order.
+
+Batching policy (:class:`PackPolicy`): a pass does not start the moment one run is ready.
+The scheduler knows which runs of the base model are *active* (they sent a forward or
+forward_backward in the last ``active_s`` seconds) and holds the pass, up to a bounded
+delay, for the active runs whose next request is due but has not arrived yet. This is the
+"max queue delay" of dynamic batching (Triton's ``max_queue_delay_microseconds``, TF
+Serving's ``batch_timeout_micros``), made adaptive: the delay is a few times the measured
+lag between the first and the last run of a pass (an exponential moving average), never
+more than ``max_delay_s``; a run that does not arrive within it stops counting as due until
+it sends a request while other runs are at work, so a run that went away (or is busy
+sampling, or takes turns with another run of the same client) costs one delay, not one per
+pass. With one active run nothing is ever held.
 
 A request whose predecessor has not arrived after ``gap_timeout_s`` seconds fails with
 category "user" instead of blocking the run forever; a duplicate of an applied request
@@ -15,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -46,6 +59,107 @@ class RunQueue:
     done: "OrderedDict[int, Any]" = field(default_factory=OrderedDict)  # seq_id -> result (recent)
 
 
+@dataclass
+class _RunActivity:
+    """When a run last sent packable work, and whether it missed the last hold."""
+
+    group: str
+    last_packable: float
+    missed: bool = False
+
+
+class PackPolicy:
+    """Decides whether a base model's pass waits for more runs (see the module doc).
+
+    The hold lasts ``lag_factor`` x the largest of the last ``lag_window`` measured lags
+    (seconds from a held pass's first ready run to a later run's arrival, counting a run that
+    came just after the hold ended), within [``min_delay_s``, ``max_delay_s``]; with nothing
+    measured yet, ``max_delay_s``.
+
+    Args:
+        max_delay_s: the longest a ready pass is held for missing runs (seconds).
+        active_s: a run that sent no forward(_backward) for this long is not waited for (seconds).
+        lag_factor: the hold is this many times the largest recent lag.
+        min_delay_s: the shortest hold when some run is due (seconds).
+        lag_window: how many recent lags are kept per base model.
+    """
+
+    def __init__(self, max_delay_s: float = 0.25, active_s: float = 30.0, lag_factor: float = 2.0,
+                 min_delay_s: float = 0.01, lag_window: int = 32):
+        self.max_delay_s, self.active_s = float(max_delay_s), float(active_s)
+        self.lag_factor, self.min_delay_s = float(lag_factor), float(min_delay_s)
+        self.activity: dict[str, _RunActivity] = {}
+        self.lags: dict[str, deque[float]] = {}  # group -> recent lags (seconds)
+        self.lag_window = int(lag_window)
+        self.gather_since: dict[str, float] = {}  # group -> when its open hold began
+        self.last_gather: dict[str, float] = {}  # group -> when its latest hold began (open or not)
+        self.held = 0  # passes held at least once (metrics / tests)
+
+    def _observe(self, group: str, lag: float) -> None:
+        self.lags.setdefault(group, deque(maxlen=self.lag_window)).append(lag)
+
+    def arrived(self, model_id: str, group: str, now: float, overlap: bool) -> None:
+        """A packable request of ``model_id`` arrived; ``overlap``: another run of ``group`` had
+        a request queued or running at that moment.
+
+        A run that missed a hold is due again only once it arrives while others are at work
+        (it runs alongside them); a run that takes turns with another (one client driving two
+        runs one after the other) thus stops being waited for after one miss each.
+        """
+        a = self.activity.get(model_id)
+        since = self.gather_since.get(group)
+        if since is not None:  # joins a held pass: how late runs come
+            self._observe(group, now - since)
+        elif a is not None and a.missed and overlap and group in self.last_gather:
+            lag = now - self.last_gather[group]  # came just after the hold it missed: hold longer
+            if lag <= self.max_delay_s:
+                self._observe(group, lag)
+        if a is None:
+            self.activity[model_id] = _RunActivity(group, now)
+        else:
+            a.group, a.last_packable = group, now
+            if overlap:
+                a.missed = False
+
+    def forget(self, model_id: str) -> None:
+        self.activity.pop(model_id, None)
+
+    def delay(self, group: str) -> float:
+        """The current hold bound of ``group`` (seconds)."""
+        lags = self.lags.get(group)
+        if not lags:
+            return self.max_delay_s
+        return min(self.max_delay_s, max(self.min_delay_s, self.lag_factor * max(lags)))
+
+    def due(self, group: str, ready: set[str], now: float) -> list[str]:
+        """Active runs of ``group`` not in ``ready`` that a pass should wait for."""
+        return [m for m, a in self.activity.items()
+                if a.group == group and m not in ready and not a.missed and now - a.last_packable <= self.active_s]
+
+    def hold(self, group: str, ready: set[str], now: float) -> float | None:
+        """None: run ``group``'s pass now. Else the monotonic time until which to hold it."""
+        if self.max_delay_s <= 0:
+            return None
+        due = self.due(group, ready, now)
+        if not due:
+            self.gather_since.pop(group, None)
+            return None
+        first = self.gather_since.get(group)
+        if first is None:
+            first = self.gather_since[group] = self.last_gather[group] = now
+            self.held += 1
+        deadline = first + self.delay(group)
+        if now >= deadline:
+            for m in due:  # did not come in time: not waited for until its next request
+                self.activity[m].missed = True
+            self.gather_since.pop(group, None)
+            return None
+        return deadline
+
+    def ran(self, group: str) -> None:
+        self.gather_since.pop(group, None)
+
+
 class Scheduler:
     """Orders requests per run and packs ready forward(_backward)s across runs.
 
@@ -58,6 +172,10 @@ class Scheduler:
         window_s: how long to wait for more runs' requests before a pass (seconds).
         on_pass: called after every pass with its requests and its duration (seconds), for
             usage accounting; the packed-runs histogram is observed here.
+        run_optims: ``async (list[Pending]) -> list[result | exception]`` applies the ready
+            ``optim_step``s of several runs of one base model as one fused update (results
+            align with the input); None runs each through ``run_single``.
+        policy: the batching policy (default: :class:`PackPolicy` with its defaults).
         max_ahead: a request of a known run whose seq_id is more than this many past the
             run's next expected seq_id fails at once (UserError on ``seq_id``) instead of
             being held: nothing the SDK sends gets that far ahead, and held requests cost memory.
@@ -71,8 +189,13 @@ class Scheduler:
                  group_of: Callable[[str], str], *, gap_timeout_s: float = 300.0, window_s: float = 0.002,
                  keep_done: int = 64, max_ahead: int = 10_000,
                  on_pass: Callable[[list[Pending], float], None] | None = None,
-                 gap_error: Callable[[str, int, int], BaseException | None] | None = None):
+                 gap_error: Callable[[str, int, int], BaseException | None] | None = None,
+                 run_optims: Callable[[list[Pending]], Awaitable[list]] | None = None,
+                 policy: PackPolicy | None = None):
         self.run_packed, self.run_single, self.group_of = run_packed, run_single, group_of
+        self.run_optims = run_optims
+        self.policy = policy if policy is not None else PackPolicy()
+        self._hold_until: float | None = None
         self.on_pass = on_pass
         self.gap_error = gap_error
         self.gap_timeout_s, self.window_s, self.keep_done = gap_timeout_s, window_s, keep_done
@@ -82,6 +205,7 @@ class Scheduler:
         self._task: asyncio.Task | None = None
         self.passes = 0  # packed passes run (for metrics/tests)
         self.packed_runs_last = 0
+        self.optim_batches = 0  # fused optim_step updates run
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -92,6 +216,11 @@ class Scheduler:
 
     def queue(self, model_id: str) -> RunQueue:
         return self.runs.setdefault(model_id, RunQueue())
+
+    def forget(self, model_id: str) -> None:
+        """Drop a run's ordering state (unloaded)."""
+        self.runs.pop(model_id, None)
+        self.policy.forget(model_id)
 
     def reset(self, model_id: str, next_seq: int = 1) -> None:
         """(Re)start ordering of a run at ``next_seq`` (after create / restore)."""
@@ -119,6 +248,10 @@ class Scheduler:
             return await asyncio.shield(q.pending[seq_id].future)
         fut = asyncio.get_running_loop().create_future()
         q.pending[seq_id] = Pending(model_id, seq_id, op, payload, fut)
+        if op in PACKABLE:
+            group = self.group_of(model_id)
+            overlap = any(r.pending for m, r in self.runs.items() if m != model_id and self.group_of(m) == group)
+            self.policy.arrived(model_id, group, time.monotonic(), overlap)
         self._wake.set()
         return await fut
 
@@ -176,41 +309,76 @@ class Scheduler:
             except Exception:  # noqa: BLE001 - metrics never fail a request
                 pass
 
+    async def _run_singles(self, singles: list[Pending]) -> None:
+        """Run ready non-packable requests: the optim_steps of one base model together (when
+        ``run_optims`` is set), the others one at a time."""
+        optims: dict[str, list[Pending]] = {}
+        for p in singles:
+            if p.op == "optim_step" and self.run_optims is not None:
+                optims.setdefault(self.group_of(p.model_id), []).append(p)
+                continue
+            t0 = time.perf_counter()
+            try:
+                self._finish(p, await self.run_single(p))
+            except Exception as exc:  # noqa: BLE001 - the failure belongs to this request
+                self._finish(p, exc=exc)
+            self._account([p], time.perf_counter() - t0)
+        for group in optims.values():
+            self.optim_batches += 1
+            t0 = time.perf_counter()
+            try:
+                results = await self.run_optims(group)
+            except Exception as exc:  # noqa: BLE001
+                results = [exc] * len(group)
+            self._account(group, time.perf_counter() - t0)
+            for p, r in zip(group, results):
+                self._finish(p, exc=r) if isinstance(r, BaseException) else self._finish(p, r)
+
+    async def _run_pass(self, group: list[list[Pending]]) -> None:
+        items = [p for run in group for p in run]
+        self.passes += 1
+        self.packed_runs_last = len(group)
+        metrics.PACKED_RUNS.observe(len(group))
+        t0 = time.perf_counter()
+        try:
+            results = await self.run_packed(items)
+        except Exception as exc:  # noqa: BLE001
+            for p in items:
+                self._finish(p, exc=exc)
+            return
+        finally:
+            self._account(items, time.perf_counter() - t0)
+        for p, r in zip(items, results):
+            if isinstance(r, BaseException):
+                self._finish(p, exc=r)
+            else:
+                self._finish(p, r)
+
     async def _loop(self) -> None:
         while True:
+            timeout = 1.0
+            if self._hold_until is not None:
+                timeout = max(0.0, min(timeout, self._hold_until - time.monotonic()))
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
             if self.window_s:
                 await asyncio.sleep(self.window_s)
-            packs, singles = self._ready()
-            for p in singles:
-                t0 = time.perf_counter()
-                try:
-                    self._finish(p, await self.run_single(p))
-                except Exception as exc:  # noqa: BLE001 - the failure belongs to this request
-                    self._finish(p, exc=exc)
-                self._account([p], time.perf_counter() - t0)
-            for group in packs.values():
-                items = [p for run in group for p in run]
-                self.passes += 1
-                self.packed_runs_last = len(group)
-                metrics.PACKED_RUNS.observe(len(group))
-                t0 = time.perf_counter()
-                try:
-                    results = await self.run_packed(items)
-                except Exception as exc:  # noqa: BLE001
-                    for p in items:
-                        self._finish(p, exc=exc)
+            _, singles = self._ready()
+            await self._run_singles(singles)
+            packs, _ = self._ready()  # after the optim_steps: their runs' next passes may be ready
+            self._hold_until = None
+            ran = bool(singles)
+            now = time.monotonic()
+            for gkey, group in packs.items():
+                until = self.policy.hold(gkey, {run[0].model_id for run in group}, now)
+                if until is not None:
+                    self._hold_until = until if self._hold_until is None else min(self._hold_until, until)
                     continue
-                finally:
-                    self._account(items, time.perf_counter() - t0)
-                for p, r in zip(items, results):
-                    if isinstance(r, BaseException):
-                        self._finish(p, exc=r)
-                    else:
-                        self._finish(p, r)
-            if packs or singles:
+                self.policy.ran(gkey)
+                await self._run_pass(group)
+                ran = True
+            if ran:
                 self._wake.set()
