@@ -34,8 +34,16 @@ class SamplerFunction:
 
     async def start(self, cfg: dict) -> None:
         """cfg keys (env fallbacks): ``storage`` (OPENRL_STORAGE), ``models_dir``, ``registry``
-        (OPENRL_MODEL_REGISTRY), ``device`` (OPENRL_DEVICE), ``backend`` (OPENRL_SAMPLER_BACKEND:
-        auto | hf | vllm), ``preload`` (base-model names to load now)."""
+        (OPENRL_MODEL_REGISTRY), ``device`` (OPENRL_DEVICE: auto | cpu | cuda[:N], default auto =
+        CUDA when available, see :mod:`openrl.device`), ``backend`` (OPENRL_SAMPLER_BACKEND:
+        auto | hf | vllm; auto = vLLM on CUDA when installed), ``preload`` (base-model names to
+        load now). Base weights load in the registry entry's dtype (bf16 on CUDA, float32 on CPU
+        by default).
+
+        Raises:
+            ValueError: an unknown device, or a CUDA device where torch sees none.
+        """
+        from openrl.device import resolve_device
         from openrl.runtime import configure_torch_threads
 
         configure_torch_threads()
@@ -45,7 +53,7 @@ class SamplerFunction:
         reg = cfg.get("registry") or os.environ.get("OPENRL_MODEL_REGISTRY")
         self.registry = cfg.get("registry_obj") or ModelRegistry.load(
             Path(reg) if reg else None, models_dir=Path(cfg.get("models_dir") or home / "models"))
-        self.device = cfg.get("device") or os.environ.get("OPENRL_DEVICE", "cpu")
+        self.device = resolve_device(cfg.get("device"))
         self.backend = cfg.get("backend") or os.environ.get("OPENRL_SAMPLER_BACKEND", "auto")
         for name in cfg.get("preload", []):
             await self._engine(name)
@@ -56,6 +64,17 @@ class SamplerFunction:
         for e in self.engines.values():
             await e.close()
 
+    def describe(self) -> dict:
+        """What ``openrl status`` shows of this worker: device, base-weight dtype(s), backend
+        ("pending" until the first base model is loaded)."""
+        from openrl.device import dtype_name
+
+        engines = list(self.engines.values())
+        dtypes = sorted({dtype_name(e.dtype) for e in engines if getattr(e, "dtype", None) is not None})
+        backends = sorted({type(e.backend).__name__.removesuffix("Backend").lower() for e in engines})
+        return {"device": self.device, "dtype": ",".join(dtypes) or "pending",
+                "backend": ",".join(backends) or (self.backend if self.backend != "auto" else "pending")}
+
     def alive(self) -> bool:
         return True
 
@@ -65,12 +84,17 @@ class SamplerFunction:
     async def _engine(self, base_model: str):
         from functions.sampler.engine import SamplerEngine
 
+        from openrl.device import resolve_dtype
+
         entry = self.registry.resolve(base_model)
         key = str(entry.path)
         async with self._engine_lock:
             if key not in self.engines:
-                self.engines[key] = await asyncio.to_thread(
-                    SamplerEngine, Path(entry.path), device=self.device, backend=self.backend)
+                dtype = resolve_dtype(getattr(entry, "dtype", None), self.device)
+                engine = await asyncio.to_thread(
+                    SamplerEngine, Path(entry.path), device=self.device, dtype=dtype, backend=self.backend)
+                engine.dtype = dtype
+                self.engines[key] = engine
         return self.engines[key]
 
     async def handle(self, event):
