@@ -6,6 +6,7 @@ Subcommands::
     openrl models list [--json]
     openrl models add NAME DIR [--dtype D] [--max-context-length N] / openrl models remove NAME
     openrl serve [--host H] [--port P] [--storage URL] [--no-build] [--model NAME=DIR ...]
+                 [--device auto|cpu|cuda] [--trainer-gpu-memory F] [--sampler-gpu-memory F]
     openrl run [--model NAME=DIR ...] SCRIPT [-- ARGS]
     openrl status [--base-url URL] [--api-key KEY] [--json]
     openrl runs list [--limit N] / openrl checkpoints list RUN
@@ -194,6 +195,18 @@ def _configure_models(sub, common: argparse.ArgumentParser) -> None:
     rm.set_defaults(func=_cmd_models_remove)
 
 
+def _add_gpu_flags(p: argparse.ArgumentParser) -> None:
+    """``--device``, ``--trainer-gpu-memory``, ``--sampler-gpu-memory`` (serve and run)."""
+    p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
+                   help="where the trainer and sampler run (default $OPENRL_DEVICE, else auto: CUDA when available)")
+    p.add_argument("--trainer-gpu-memory", type=float, default=None, metavar="FRACTION",
+                   help="share of the GPU's memory the trainer may allocate when it shares the GPU with the "
+                        "sampler (default $OPENRL_TRAINER_GPU_MEMORY, else 0.45)")
+    p.add_argument("--sampler-gpu-memory", type=float, default=None, metavar="FRACTION",
+                   help="share of the GPU's memory vLLM takes (gpu_memory_utilization: weights, LoRA slots, KV "
+                        "cache; default $OPENRL_SAMPLER_GPU_MEMORY, else 0.40)")
+
+
 # -- serve ----------------------------------------------------------------------------------
 
 
@@ -222,6 +235,7 @@ def _configure_serve(sub, common: argparse.ArgumentParser) -> None:
                    "(the Knative Eventing push path) instead of JetStream pull workers")
     p.add_argument("--model", action="append", type=model_spec, default=[], metavar="NAME=DIR",
                    help="register a local model directory first (as `openrl models add NAME DIR`); repeatable")
+    _add_gpu_flags(p)
     p.set_defaults(func=_cmd_serve)
 
 
@@ -251,6 +265,7 @@ def _configure_run(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", default=None, help="weight storage URL (default file://<state_dir>/storage)")
     p.add_argument("--no-build", action="store_true")
     p.add_argument("--push", action="store_true", help="functions as HTTP receivers behind a local dispatcher")
+    _add_gpu_flags(p)
     p.add_argument("--model", action="append", type=model_spec, default=[], metavar="NAME=DIR",
                    help="register a local model directory first (as `openrl models add NAME DIR`); repeatable; "
                    "before SCRIPT")

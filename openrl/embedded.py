@@ -91,6 +91,11 @@ def api_key(state_dir: Path) -> str:
     return key
 
 
+#: Shares of one GPU for the embedded stack's trainer and vLLM sampler (fractions of its memory).
+TRAINER_GPU_MEMORY = 0.45
+SAMPLER_GPU_MEMORY = 0.40
+
+
 @dataclass
 class Stack:
     """A running embedded stack (processes and addresses)."""
@@ -105,6 +110,9 @@ class Stack:
     push: bool = False  # functions as HTTP receivers fed by a local dispatcher (the Knative Eventing path)
     extra_env: dict[str, str] = field(default_factory=dict)  # e.g. STORAGE_EMULATOR_HOST
     metrics_urls: dict[str, str] = field(default_factory=dict)  # process name -> its Prometheus /metrics URL
+    device: str | None = None  # --device: auto | cpu | cuda (None: $OPENRL_DEVICE, else auto)
+    trainer_gpu_memory: float | None = None  # --trainer-gpu-memory (None: env, else TRAINER_GPU_MEMORY)
+    sampler_gpu_memory: float | None = None  # --sampler-gpu-memory (None: env, else SAMPLER_GPU_MEMORY)
 
     @property
     def base_url(self) -> str:
@@ -131,8 +139,14 @@ class Stack:
         return out
 
     def env(self) -> dict[str, str]:
-        """Environment for the stack's processes."""
-        return {
+        """Environment for the stack's processes.
+
+        The trainer and the sampler share this machine's GPU (when it has one): unless set,
+        the trainer may allocate ``TRAINER_GPU_MEMORY`` of it and vLLM takes
+        ``SAMPLER_GPU_MEMORY`` (sized for Qwen3-4B: 8 runs x 1x1024 training and 8 LoRA slots
+        with a KV cache for 256 sequences on an H200's 141 GB).
+        """
+        env = {
             **os.environ,
             "OPENRL_HOME": str(self.state_dir),
             "OPENRL_NATS_URL": self.nats_url,
@@ -140,6 +154,15 @@ class Stack:
             "TINKER_TELEMETRY": "0",
             **self.extra_env,
         }
+        if self.device:
+            env["OPENRL_DEVICE"] = self.device
+        for key, flag, default in (("OPENRL_TRAINER_GPU_MEMORY", self.trainer_gpu_memory, TRAINER_GPU_MEMORY),
+                                   ("OPENRL_SAMPLER_GPU_MEMORY", self.sampler_gpu_memory, SAMPLER_GPU_MEMORY)):
+            if flag is not None:
+                env[key] = str(flag)
+            else:
+                env.setdefault(key, str(default))
+        return env
 
     def start(self) -> "Stack":
         """Build the model if missing, start nats-server, the workers and the gateway.
@@ -241,7 +264,9 @@ def _stack_from_args(args) -> Stack:
     state = Path(getattr(args, "state_dir", None) or os.environ.get("OPENRL_HOME", str(Path.home() / ".openrl")))
     return Stack(state_dir=state.expanduser().resolve(), host=getattr(args, "host", "127.0.0.1"),
                  port=int(getattr(args, "port", 8000)), storage=getattr(args, "storage", None),
-                 build=not getattr(args, "no_build", False), push=bool(getattr(args, "push", False)))
+                 build=not getattr(args, "no_build", False), push=bool(getattr(args, "push", False)),
+                 device=getattr(args, "device", None), trainer_gpu_memory=getattr(args, "trainer_gpu_memory", None),
+                 sampler_gpu_memory=getattr(args, "sampler_gpu_memory", None))
 
 
 def main(args) -> int:
