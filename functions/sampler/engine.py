@@ -203,7 +203,7 @@ def make_backend(
     *,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
-    max_batch_rows: int = 64,
+    max_batch_rows: int | None = None,
     max_context: int | None = None,
 ) -> SamplerBackend:
     """Build a backend by name.
@@ -213,6 +213,9 @@ def make_backend(
             class ``VLLMBackend``, same keyword arguments), or ``"auto"``: vLLM when a CUDA
             device is present and ``vllm`` is importable, else transformers.
         base_model_dir: local Hugging Face model directory (config, safetensors, tokenizer).
+        max_batch_rows: most sequences decoded together; None = the backend's default
+            (transformers 64; vLLM 256 or ``$OPENRL_SAMPLER_MAX_NUM_SEQS``, so that 128
+            concurrent samples share one decode batch).
 
     Raises:
         ValueError: unknown ``kind``.
@@ -225,7 +228,9 @@ def make_backend(
             and importlib.util.find_spec("functions.sampler.vllm_backend") is not None
         )
         kind = "vllm" if use_vllm else "hf"
-    kwargs = dict(device=device, dtype=dtype, max_batch_rows=max_batch_rows, max_context=max_context)
+    kwargs = dict(device=device, dtype=dtype, max_context=max_context)
+    if max_batch_rows is not None:
+        kwargs["max_batch_rows"] = max_batch_rows
     if kind == "hf":
         from functions.sampler.hf_backend import HFBackend
 
@@ -246,7 +251,8 @@ class SamplerEngine:
         base_model_dir: local HF directory of the base model.
         device: torch device for the transformers backend (``"cpu"``, ``"cuda"``).
         dtype: model dtype (float32 on CPU); logprobs are float32 regardless.
-        max_batch_rows: most sequences decoded together in one forward.
+        max_batch_rows: most sequences decoded together in one forward; None = the
+            backend's default (transformers 64, vLLM 256: see :func:`make_backend`).
         adapter_cache_size: adapters kept loaded; the least recently used one not in use is
             unloaded beyond this (an adapter pinned by a running job is never unloaded, so
             the cache can briefly exceed the size).
@@ -264,7 +270,7 @@ class SamplerEngine:
         *,
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
-        max_batch_rows: int = 64,
+        max_batch_rows: int | None = None,
         adapter_cache_size: int = 8,
         max_tokens_default: int = DEFAULT_MAX_TOKENS,
         max_context: int | None = None,

@@ -64,6 +64,117 @@ log = logging.getLogger(__name__)
 #: LoRA ranks vLLM 0.24 accepts for ``max_lora_rank``.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
+#: Share of the GPU's memory vLLM takes (weights + KV cache + CUDA graphs) when nothing says
+#: otherwise. The embedded stack (``openrl serve``) runs the trainer on the same GPU, and the
+#: trainer takes about 0.45 of it (Qwen3-4B, 8 runs x 1024 tokens co-batched: 51 GB of 141 GB
+#: on an H200), so the sampler keeps to 0.40. A sampler alone on its GPU (the GKE sampler
+#: Service) sets ``OPENRL_SAMPLER_GPU_MEMORY=0.85``..``0.9``.
+DEFAULT_GPU_MEMORY = 0.40
+#: Sequences vLLM decodes together (``max_num_seqs``): at least 128 concurrent samples (an
+#: RL step of 8 runs x 4 prompts x 4 samples) must share one decode batch.
+DEFAULT_MAX_NUM_SEQS = 256
+#: Adapters resident in GPU slots at once (``max_loras``): 8 runs' snapshots sampled together.
+DEFAULT_MAX_LORAS = 8
+#: CUDA-graph batch sizes captured at engine start (those <= ``max_num_seqs``, plus
+#: ``max_num_seqs`` itself): a decode batch is padded up to the next size, so the steps
+#: above 64 stay within 25 % of the batch, and fewer sizes than vLLM's default list (one
+#: every 8) keep the capture at engine start short.
+CUDAGRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
+#: Environment names (first one set wins) of each setting; ``OPENRL_VLLM_GPU_UTIL`` is the
+#: older name of ``OPENRL_SAMPLER_GPU_MEMORY``.
+GPU_MEMORY_ENV = ("OPENRL_SAMPLER_GPU_MEMORY", "OPENRL_VLLM_GPU_UTIL")
+MAX_NUM_SEQS_ENV = ("OPENRL_SAMPLER_MAX_NUM_SEQS", "OPENRL_VLLM_MAX_NUM_SEQS")
+MAX_LORAS_ENV = ("OPENRL_VLLM_MAX_LORAS",)
+MAX_LORA_RANK_ENV = ("OPENRL_VLLM_MAX_LORA_RANK",)
+
+
+def _env_value(names: tuple[str, ...], env: Mapping[str, str]) -> str | None:
+    for n in names:
+        v = env.get(n)
+        if v not in (None, ""):
+            return v
+    return None
+
+
+def configure_vllm_env(env: "os._Environ[str] | dict[str, str] | None" = None) -> dict[str, str]:
+    """Environment vLLM reads at import and engine start; call before importing ``vllm``.
+
+    - ``VLLM_CACHE_ROOT`` (torch.compile artefacts, CUDA-graph and kernel caches): unless set,
+      ``$OPENRL_HOME/cache/vllm`` (default ``~/.openrl/cache/vllm``), so the state directory
+      keeps the compile cache and the second ``openrl serve`` starts the engine faster.
+    - ``VLLM_NO_USAGE_STATS=1`` unless set (no usage reporting from a self-hosted service).
+
+    Returns the values it set (empty when everything was set already).
+    """
+    env = os.environ if env is None else env
+    done: dict[str, str] = {}
+    if not env.get("VLLM_CACHE_ROOT"):
+        home = Path(env.get("OPENRL_HOME") or Path.home() / ".openrl").expanduser()
+        done["VLLM_CACHE_ROOT"] = str(home / "cache" / "vllm")
+    if not env.get("VLLM_NO_USAGE_STATS"):
+        done["VLLM_NO_USAGE_STATS"] = "1"
+    env.update(done)
+    return done
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """CUDA-graph capture sizes covering batches of 1..``max_num_seqs`` (see :data:`CUDAGRAPH_SIZES`)."""
+    n = max(1, int(max_num_seqs))
+    return sorted({s for s in CUDAGRAPH_SIZES if s <= n} | {n})
+
+
+def engine_settings(
+    *,
+    max_batch_rows: int | None = None,
+    max_loras: int | None = None,
+    max_lora_rank: int | None = None,
+    max_cpu_loras: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    enforce_eager: bool = False,
+    engine_kwargs: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The serving knobs of the vLLM engine: arguments, else environment, else defaults.
+
+    Returns ``AsyncEngineArgs`` fields: ``max_num_seqs`` (:data:`DEFAULT_MAX_NUM_SEQS`),
+    ``max_loras`` (:data:`DEFAULT_MAX_LORAS`), ``max_lora_rank`` (32), ``max_cpu_loras``
+    (``max(max_loras, 16)``), ``gpu_memory_utilization`` (:data:`DEFAULT_GPU_MEMORY`),
+    ``enforce_eager`` and, unless eager or given in ``engine_kwargs``, a
+    ``compilation_config`` with ``cudagraph_capture_sizes`` up to ``max_num_seqs``;
+    ``engine_kwargs`` entries are merged last (a ``compilation_config`` dict key by key).
+
+    Raises:
+        ValueError: a value out of range (rank not in :data:`VLLM_LORA_RANKS`, memory share
+            not in (0, 1], fewer than 1 sequence or adapter).
+    """
+    env = os.environ if env is None else env
+    seqs = int(max_batch_rows or _env_value(MAX_NUM_SEQS_ENV, env) or DEFAULT_MAX_NUM_SEQS)
+    loras = int(max_loras or _env_value(MAX_LORAS_ENV, env) or DEFAULT_MAX_LORAS)
+    rank = int(max_lora_rank or _env_value(MAX_LORA_RANK_ENV, env) or 32)
+    mem = float(gpu_memory_utilization or _env_value(GPU_MEMORY_ENV, env) or DEFAULT_GPU_MEMORY)
+    if rank not in VLLM_LORA_RANKS:
+        raise ValueError(f"max_lora_rank must be one of {VLLM_LORA_RANKS}, got {rank}")
+    if not 0 < mem <= 1:
+        raise ValueError(f"gpu_memory_utilization ({'/'.join(GPU_MEMORY_ENV)}) must be in (0, 1], got {mem}")
+    if seqs < 1 or loras < 1:
+        raise ValueError(f"max_num_seqs and max_loras must be >= 1, got {seqs} and {loras}")
+    kw: dict[str, Any] = dict(
+        max_num_seqs=seqs,
+        max_loras=loras,
+        max_lora_rank=rank,
+        max_cpu_loras=int(max_cpu_loras or max(loras, 16)),
+        gpu_memory_utilization=mem,
+        enforce_eager=bool(enforce_eager),
+    )
+    extra = dict(engine_kwargs or {})
+    if not enforce_eager and not extra.get("enforce_eager"):
+        cc = dict(extra.pop("compilation_config", None) or {})
+        cc.setdefault("cudagraph_capture_sizes", capture_sizes(seqs))
+        kw["compilation_config"] = cc
+    kw.update(extra)
+    return kw
+
 
 # ---------------------------------------------------------------------------- adapters
 
@@ -285,20 +396,27 @@ class VLLMBackend:
         device: must be a CUDA device (``"cuda"`` / ``"cuda:0"``).
         dtype: float32 means "the config's dtype" (the sampler's CPU default); bf16/fp16 are
             passed to vLLM.
-        max_batch_rows: vLLM ``max_num_seqs`` (sequences decoded together).
+        max_batch_rows: vLLM ``max_num_seqs``, sequences decoded together (env
+            ``OPENRL_SAMPLER_MAX_NUM_SEQS``, default 256: :data:`DEFAULT_MAX_NUM_SEQS`).
         max_context: vLLM ``max_model_len`` cap (default: the model's context).
         max_loras: adapters resident in GPU slots at once (vLLM ``max_loras``; env
             ``OPENRL_VLLM_MAX_LORAS``, default 8).
         max_lora_rank: largest adapter rank accepted (one of :data:`VLLM_LORA_RANKS`; env
             ``OPENRL_VLLM_MAX_LORA_RANK``, default 32).
         max_cpu_loras: adapters cached in host memory (default ``max(max_loras, 16)``).
-        gpu_memory_utilization: fraction of GPU memory vLLM may take (weights + KV cache;
-            env ``OPENRL_VLLM_GPU_UTIL``, default 0.85).
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (weights + KV cache +
+            CUDA graphs; env ``OPENRL_SAMPLER_GPU_MEMORY``, older name ``OPENRL_VLLM_GPU_UTIL``;
+            default 0.40, :data:`DEFAULT_GPU_MEMORY`: the embedded stack's trainer shares the
+            GPU; a sampler alone on its GPU sets 0.85-0.9).
         unembed_lora: ``"drop"`` (default) or ``"keep"`` (see the module docstring; env
             ``OPENRL_VLLM_UNEMBED_LORA``).
         enforce_eager: disable CUDA graphs / torch.compile (faster start, slower decode).
-        engine_kwargs: extra ``AsyncEngineArgs`` fields (e.g. ``compilation_config``).
+        engine_kwargs: extra ``AsyncEngineArgs`` fields (e.g. ``compilation_config``);
+            CUDA-graph capture sizes default to :func:`capture_sizes` of ``max_num_seqs``.
         cache_dir: where converted adapter copies go (default: a temporary directory).
+
+    vLLM's compile cache goes to ``$OPENRL_HOME/cache/vllm`` unless ``VLLM_CACHE_ROOT`` is
+    set (:func:`configure_vllm_env`).
     """
 
     def __init__(
@@ -307,7 +425,7 @@ class VLLMBackend:
         *,
         device: str = "cuda",
         dtype: torch.dtype = torch.float32,
-        max_batch_rows: int = 64,
+        max_batch_rows: int | None = None,
         max_context: int | None = None,
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
@@ -318,18 +436,17 @@ class VLLMBackend:
         engine_kwargs: Mapping[str, Any] | None = None,
         cache_dir: Path | None = None,
     ):
+        configure_vllm_env()  # before the first vLLM import: the compile cache in the state dir
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         env = os.environ
-        max_loras = int(max_loras or env.get("OPENRL_VLLM_MAX_LORAS", 8))
-        max_lora_rank = int(max_lora_rank or env.get("OPENRL_VLLM_MAX_LORA_RANK", 32))
-        gpu_memory_utilization = float(gpu_memory_utilization or env.get("OPENRL_VLLM_GPU_UTIL", 0.85))
+        settings = engine_settings(max_batch_rows=max_batch_rows, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                                   max_cpu_loras=max_cpu_loras, gpu_memory_utilization=gpu_memory_utilization,
+                                   enforce_eager=enforce_eager, engine_kwargs=engine_kwargs)
         unembed_lora = unembed_lora or env.get("OPENRL_VLLM_UNEMBED_LORA", "drop")
         if not str(device).startswith("cuda"):
             raise ValueError(f"the vLLM sampler backend needs a CUDA device, got {device!r}")
-        if max_lora_rank not in VLLM_LORA_RANKS:
-            raise ValueError(f"max_lora_rank must be one of {VLLM_LORA_RANKS}, got {max_lora_rank}")
         if unembed_lora not in ("drop", "keep"):
             raise ValueError(f"unembed_lora must be 'drop' or 'keep', got {unembed_lora!r}")
         self.base_model_dir = Path(base_model_dir)
@@ -347,7 +464,7 @@ class VLLMBackend:
             self.tokenizer = _load_tokenizer(self.base_model_dir)
             has_tok = self.tokenizer is not None
         self.limits = _model_limits(self.base_model_dir, max_context, has_tok, self.tokenizer)
-        self.max_lora_rank = int(max_lora_rank)
+        self.max_lora_rank = int(settings["max_lora_rank"])
         self.unembed_lora = unembed_lora
         self._tmp = None
         if cache_dir is None:
@@ -359,18 +476,14 @@ class VLLMBackend:
             model=str(self.base_model_dir),
             dtype=vdtype,
             enable_lora=True,
-            max_loras=int(max_loras),
-            max_lora_rank=int(max_lora_rank),
-            max_cpu_loras=int(max_cpu_loras or max(max_loras, 16)),
-            max_num_seqs=int(max_batch_rows),
             max_model_len=int(self.limits.max_context),
-            gpu_memory_utilization=float(gpu_memory_utilization),
-            enforce_eager=bool(enforce_eager),
             skip_tokenizer_init=not has_tok,
             seed=0,
         )
-        kw.update(engine_kwargs or {})
+        kw.update(settings)
         self.engine_args = kw
+        log.info("vLLM engine: max_num_seqs=%s max_loras=%s gpu_memory_utilization=%s cache=%s",
+                 kw["max_num_seqs"], kw["max_loras"], kw["gpu_memory_utilization"], env.get("VLLM_CACHE_ROOT"))
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
         self._ids: dict[str, int] = {}  # adapter key -> LoRA int id
         self._requests: dict[str, Any] = {}  # key -> LoRARequest
@@ -488,9 +601,16 @@ class VLLMBackend:
 
 
 __all__ = [
+    "CUDAGRAPH_SIZES",
+    "DEFAULT_GPU_MEMORY",
+    "DEFAULT_MAX_LORAS",
+    "DEFAULT_MAX_NUM_SEQS",
     "VLLMBackend",
     "VLLM_LORA_RANKS",
+    "capture_sizes",
     "check_supported",
+    "configure_vllm_env",
+    "engine_settings",
     "prepare_adapter",
     "prompt_fields",
     "sampling_kwargs",

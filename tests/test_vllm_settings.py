@@ -1,0 +1,78 @@
+"""The vLLM backend's serving knobs (no vLLM or GPU needed): defaults, environment names,
+CUDA-graph capture sizes, the compile-cache location, and how the engine picks the batch
+width when the sampler function gives none."""
+
+from __future__ import annotations
+
+import pytest
+
+from functions.sampler import engine as sampler_engine
+from functions.sampler.vllm_backend import (
+    DEFAULT_GPU_MEMORY,
+    DEFAULT_MAX_LORAS,
+    DEFAULT_MAX_NUM_SEQS,
+    capture_sizes,
+    configure_vllm_env,
+    engine_settings,
+)
+
+
+def test_defaults_fit_a_gpu_shared_with_the_trainer():
+    kw = engine_settings(env={})
+    assert kw["gpu_memory_utilization"] == DEFAULT_GPU_MEMORY == 0.40
+    assert kw["max_num_seqs"] == DEFAULT_MAX_NUM_SEQS == 256
+    assert kw["max_loras"] == DEFAULT_MAX_LORAS == 8 and kw["max_cpu_loras"] == 16
+    assert kw["max_lora_rank"] == 32 and kw["enforce_eager"] is False
+    sizes = kw["compilation_config"]["cudagraph_capture_sizes"]
+    assert sizes[0] == 1 and sizes[-1] == 256 and 128 in sizes and sizes == sorted(set(sizes))
+
+
+def test_environment_and_the_older_name():
+    assert engine_settings(env={"OPENRL_VLLM_GPU_UTIL": "0.7"})["gpu_memory_utilization"] == 0.7
+    both = {"OPENRL_SAMPLER_GPU_MEMORY": "0.9", "OPENRL_VLLM_GPU_UTIL": "0.7"}
+    assert engine_settings(env=both)["gpu_memory_utilization"] == 0.9  # the new name wins
+    assert engine_settings(gpu_memory_utilization=0.5, env=both)["gpu_memory_utilization"] == 0.5  # argument first
+    kw = engine_settings(env={"OPENRL_SAMPLER_MAX_NUM_SEQS": "96", "OPENRL_VLLM_MAX_LORAS": "4"})
+    assert kw["max_num_seqs"] == 96 and kw["max_loras"] == 4
+    assert kw["compilation_config"]["cudagraph_capture_sizes"][-1] == 96
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        engine_settings(env={"OPENRL_SAMPLER_GPU_MEMORY": "1.5"})
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        engine_settings(max_lora_rank=24, env={})
+
+
+def test_capture_sizes_and_engine_kwargs():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 100]
+    assert engine_settings(enforce_eager=True, env={}).get("compilation_config") is None
+    kw = engine_settings(max_batch_rows=64, engine_kwargs={"compilation_config": {"level": 3}, "seed": 1}, env={})
+    assert kw["compilation_config"] == {"level": 3, "cudagraph_capture_sizes": capture_sizes(64)} and kw["seed"] == 1
+    own = engine_settings(engine_kwargs={"compilation_config": {"cudagraph_capture_sizes": [1, 8]}}, env={})
+    assert own["compilation_config"]["cudagraph_capture_sizes"] == [1, 8]
+
+
+def test_compile_cache_in_the_state_dir(tmp_path):
+    env = {"OPENRL_HOME": str(tmp_path)}
+    assert configure_vllm_env(env) == {"VLLM_CACHE_ROOT": str(tmp_path / "cache" / "vllm"), "VLLM_NO_USAGE_STATS": "1"}
+    assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "cache" / "vllm")
+    env = {"OPENRL_HOME": str(tmp_path), "VLLM_CACHE_ROOT": "/elsewhere", "VLLM_NO_USAGE_STATS": "0"}
+    assert configure_vllm_env(env) == {} and env["VLLM_CACHE_ROOT"] == "/elsewhere"
+
+
+def test_engine_leaves_the_batch_width_to_the_backend(monkeypatch, tmp_path):
+    """SamplerFunction builds its engine without max_batch_rows: the backend's own default
+    applies (vLLM 256), not a fixed 64 (which halved 128-sample throughput through the stack)."""
+    seen = {}
+
+    class Fake:
+        def __init__(self, base_model_dir, **kw):
+            seen.update(kw)
+
+    import types
+
+    monkeypatch.setitem(__import__("sys").modules, "functions.sampler.vllm_backend",
+                        types.SimpleNamespace(VLLMBackend=Fake))
+    sampler_engine.make_backend("vllm", tmp_path, device="cuda")
+    assert "max_batch_rows" not in seen
+    sampler_engine.make_backend("vllm", tmp_path, device="cuda", max_batch_rows=32)
+    assert seen["max_batch_rows"] == 32
