@@ -113,6 +113,7 @@ class Stack:
     device: str | None = None  # --device: auto | cpu | cuda (None: $OPENRL_DEVICE, else auto)
     trainer_gpu_memory: float | None = None  # --trainer-gpu-memory (None: env, else TRAINER_GPU_MEMORY)
     sampler_gpu_memory: float | None = None  # --sampler-gpu-memory (None: env, else SAMPLER_GPU_MEMORY)
+    preload: list[str] = field(default_factory=list)  # base models the workers load at start (--model names)
 
     @property
     def base_url(self) -> str:
@@ -156,6 +157,8 @@ class Stack:
         }
         if self.device:
             env["OPENRL_DEVICE"] = self.device
+        if self.preload:  # the models named with --model: load them (and start vLLM) before the first request
+            env.setdefault("OPENRL_PRELOAD", ",".join(self.preload))
         for key, flag, default in (("OPENRL_TRAINER_GPU_MEMORY", self.trainer_gpu_memory, TRAINER_GPU_MEMORY),
                                    ("OPENRL_SAMPLER_GPU_MEMORY", self.sampler_gpu_memory, SAMPLER_GPU_MEMORY)):
             if flag is not None:
@@ -266,7 +269,8 @@ def _stack_from_args(args) -> Stack:
                  port=int(getattr(args, "port", 8000)), storage=getattr(args, "storage", None),
                  build=not getattr(args, "no_build", False), push=bool(getattr(args, "push", False)),
                  device=getattr(args, "device", None), trainer_gpu_memory=getattr(args, "trainer_gpu_memory", None),
-                 sampler_gpu_memory=getattr(args, "sampler_gpu_memory", None))
+                 sampler_gpu_memory=getattr(args, "sampler_gpu_memory", None),
+                 preload=[name for name, _ in getattr(args, "model", None) or []])
 
 
 def main(args) -> int:

@@ -55,7 +55,7 @@ class SamplerFunction:
             Path(reg) if reg else None, models_dir=Path(cfg.get("models_dir") or home / "models"))
         self.device = resolve_device(cfg.get("device"))
         self.backend = cfg.get("backend") or os.environ.get("OPENRL_SAMPLER_BACKEND", "auto")
-        for name in cfg.get("preload", []):
+        for name in cfg.get("preload") or [n for n in os.environ.get("OPENRL_PRELOAD", "").split(",") if n.strip()]:
             await self._engine(name)
         self._ready = True
 

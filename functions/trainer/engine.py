@@ -545,6 +545,28 @@ class TrainerEngine:
         self._run(model_id)
         save_peft_adapter(self.model, model_id, Path(directory))
 
+    def sampler_snapshot(self, model_id: str) -> tuple[dict[str, torch.Tensor], dict]:
+        """The run's adapter as PEFT tensors (float32 CPU copies) and its ``adapter_config.json``
+        content: what :meth:`export_sampler_weights` writes, taken in one device-to-host copy so
+        the caller can write it while the engine goes on training.
+
+        Raises:
+            NotFound: unknown run.
+        """
+        self._run(model_id)
+        return self.model.peft_state_dict(model_id), self.model.peft_config(model_id)
+
+    @staticmethod
+    def write_sampler_snapshot(snapshot: tuple[dict[str, torch.Tensor], dict], directory: Path) -> None:
+        """Write a :meth:`sampler_snapshot` as ``adapter_model.safetensors`` + ``adapter_config.json``."""
+        from safetensors.torch import save_file
+
+        tensors, config = snapshot
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(directory / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+        (directory / ADAPTER_CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
+
 
 __all__ = [
     "ADAPTER_CONFIG_NAME",

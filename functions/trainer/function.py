@@ -57,7 +57,7 @@ class TrainerFunction:
         for other active runs, seconds; 0 = never wait, see :class:`PackPolicy`),
         ``gap_timeout_s`` (OPENRL_SEQ_GAP_TIMEOUT_S, seconds), ``max_seq_ahead`` (OPENRL_MAX_SEQ_AHEAD:
         seq_ids more than this past a run's next one fail with category "user"),
-        ``preload`` (base-model names to load now),
+        ``preload`` (OPENRL_PRELOAD, comma-separated: base-model names to load before taking requests),
         ``flush_interval_s`` (OPENRL_FLUSH_INTERVAL_S), ``restore_wait_s`` (OPENRL_RESTORE_WAIT_S).
 
         Raises:
@@ -87,7 +87,7 @@ class TrainerFunction:
         self.durable = RunDurability.from_cfg(self, self.storage, cfg)
         self.scheduler.start()
         self.durable.start()
-        for name in cfg.get("preload", []):
+        for name in cfg.get("preload") or [n for n in os.environ.get("OPENRL_PRELOAD", "").split(",") if n.strip()]:
             await asyncio.to_thread(self._engine_for, name)
         self._ready = True
 
@@ -350,13 +350,16 @@ class TrainerFunction:
 
     async def _save(self, engine, model_id: str, d: dict, *, sampler: bool) -> dict:
         path = TinkerPath.parse(d["path"])
-        tmp = Path(tempfile.mkdtemp(prefix="openrl-save-"))
+        tmp = Path(tempfile.mkdtemp(prefix="openrl-save-", dir=self.storage.scratch_dir()))
         try:
             async with self._lock:
-                if sampler:
-                    await asyncio.to_thread(engine.export_sampler_weights, model_id, tmp)
+                if sampler:  # only the device-to-host copy holds the engine; the write runs beside passes
+                    snapshot = await asyncio.to_thread(engine.sampler_snapshot, model_id)
                 else:
                     await asyncio.to_thread(engine.save_state, model_id, tmp, True)
+            if sampler:
+                await asyncio.to_thread(engine.write_sampler_snapshot, snapshot, tmp)
+                del snapshot
             meta = self.run_meta.get(model_id, {})
             manifest = build_manifest(tmp, path, owner=d.get("owner", ""), ttl_seconds=d.get("ttl_seconds"),
                                       extra={"base_model": meta.get("base_model"),

@@ -5,7 +5,8 @@ Every training request waits in its run's queue until all lower seq_ids have run
 ready forward / forward_backward requests, and runs the prefixes of all runs that share a
 base model as ONE engine pass (the co-batching of issue 8). The ready ``optim_step``s of
 several runs on one base model apply as one fused multi-tensor AdamW update
-(``run_optims``); other operations (save, load) run alone, in order.
+(``run_optims``); other operations (save, load) of different runs run concurrently (one
+per run at a time, in seq_id order within the run).
 
 Batching policy (:class:`PackPolicy`): a pass does not start the moment one run is ready.
 The scheduler knows which runs of the base model are *active* (they sent a forward or
@@ -313,16 +314,24 @@ class Scheduler:
         """Run ready non-packable requests: the optim_steps of one base model together (when
         ``run_optims`` is set), the others one at a time."""
         optims: dict[str, list[Pending]] = {}
+        others = []
         for p in singles:
             if p.op == "optim_step" and self.run_optims is not None:
                 optims.setdefault(self.group_of(p.model_id), []).append(p)
-                continue
+            else:
+                others.append(p)
+
+        async def one(p: Pending) -> None:
             t0 = time.perf_counter()
             try:
                 self._finish(p, await self.run_single(p))
             except Exception as exc:  # noqa: BLE001 - the failure belongs to this request
                 self._finish(p, exc=exc)
             self._account([p], time.perf_counter() - t0)
+
+        # one request per run at most (each run's head): different runs' saves / loads run at
+        # once (their engine work is serialised by the caller's lock, their I/O overlaps)
+        await asyncio.gather(*(one(p) for p in others))
         for group in optims.values():
             self.optim_batches += 1
             t0 = time.perf_counter()
