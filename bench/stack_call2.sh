@@ -8,6 +8,9 @@
 #     bench/peft_baseline_h200.py B=1 K=8 SKIP_SAMPLE=1 (transformers + peft, one run after another)
 # Results: stack.jsonl, stack.md, cobatch.jsonl, peft_b1.jsonl, logs2.tgz.
 cd "$(dirname "$0")/.." && source bench/stack_env.sh
+if [ "$DRY" != 1 ] && [ ! -x "$STK/bin/nats-server" ]; then
+  echo "NOT WARM: $STK is missing (a fresh machine, not the one call 1 prepared): run bench/stack_call1.sh first"; exit 3
+fi
 L=$WORK/logs2; rm -rf "$L"; mkdir -p "$L"
 el start; nvidia-smi --query-gpu=name,memory.used --format=csv 2>/dev/null; ls "$PARTS" "$MODEL" 2>&1 | head -12
 cp .whl/s2/* "$PARTS"/ && el "part 2 kept: $(ls -la "$PARTS" | tail -n +2 | awk '{print $NF, $5}' | tr '\n' ' ')"

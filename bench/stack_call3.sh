@@ -9,6 +9,9 @@
 #     width the stack's sampler had before: 128 concurrent samples then decode in two waves)
 # Results: stack.jsonl, stack.md, logs3.tgz.
 cd "$(dirname "$0")/.." && source bench/stack_env.sh
+if [ "$DRY" != 1 ] && [ ! -x "$STK/bin/nats-server" ]; then
+  echo "NOT WARM: $STK is missing (a fresh machine, not the one call 1 prepared): run bench/stack_call1.sh first"; exit 3
+fi
 L=$WORK/logs3; rm -rf "$L"; mkdir -p "$L"
 el start; nvidia-smi --query-gpu=name,memory.used --format=csv 2>/dev/null
 ( cp .whl/s3/* "$PARTS"/ && cd "$PARTS" && cat C.so.xz.000 C.so.xz.001 > C.so.xz && sha256sum -c SUMS \
