@@ -120,7 +120,8 @@ class TrainerFunction:
             raise ValueError(f"OPENRL_TRAINER_GPU_MEMORY must be a fraction in (0, 1], got {fraction!r}")
         import torch
 
-        torch.cuda.set_per_process_memory_fraction(f, torch.device(self.device))
+        dev = torch.device(self.device)
+        torch.cuda.set_per_process_memory_fraction(f, dev.index if dev.index is not None else torch.cuda.current_device())
         self.gpu_memory = f
 
     def describe(self) -> dict:
