@@ -566,6 +566,7 @@ def test_gpu_overlay_runs_functions_on_cuda():
         assert container(k)["resources"]["limits"].get("nvidia.com/gpu") == "1", name
         if fn == "sampler":
             assert env.get("OPENRL_SAMPLER_BACKEND") == "vllm", name
+            assert float(env.get("OPENRL_SAMPLER_GPU_MEMORY")) >= 0.8, name  # a GPU of its own
         else:
             assert env.get("OPENRL_SAMPLER_BACKEND") is None, name
     shards = int(next(d for d in objects(docs, "ConfigMap") if d["metadata"]["name"].startswith("openrl-env"))
@@ -681,7 +682,7 @@ def test_gke_overlay_placeholders_and_identity():
     tokens = set(re.findall(r"\bOPENRL_[A-Z_]+\b", text)) - {
         "OPENRL_STORAGE", "OPENRL_NATS_URL", "OPENRL_MODEL_REGISTRY", "OPENRL_API_KEYS_FILE",
         "OPENRL_TRAINER_SHARDS", "OPENRL_TRAINER_SHARD", "OPENRL_ROLE", "OPENRL_INTERNAL_TOKEN",
-        "OPENRL_DEVICE", "OPENRL_SAMPLER_BACKEND",
+        "OPENRL_DEVICE", "OPENRL_SAMPLER_BACKEND", "OPENRL_SAMPLER_GPU_MEMORY",
     }
     assert tokens == {"OPENRL_IMAGE_REPO", "OPENRL_IMAGE_TAG", "OPENRL_BUCKET", "OPENRL_GSA_EMAIL",
                       "OPENRL_EVENTS_TOKEN"}, tokens

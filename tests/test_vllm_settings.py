@@ -53,9 +53,11 @@ def test_capture_sizes_and_engine_kwargs():
 
 def test_compile_cache_in_the_state_dir(tmp_path):
     env = {"OPENRL_HOME": str(tmp_path)}
-    assert configure_vllm_env(env) == {"VLLM_CACHE_ROOT": str(tmp_path / "cache" / "vllm"), "VLLM_NO_USAGE_STATS": "1"}
+    assert configure_vllm_env(env) == {"VLLM_CACHE_ROOT": str(tmp_path / "cache" / "vllm"), "VLLM_NO_USAGE_STATS": "1",
+                                       "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "cache" / "vllm")
-    env = {"OPENRL_HOME": str(tmp_path), "VLLM_CACHE_ROOT": "/elsewhere", "VLLM_NO_USAGE_STATS": "0"}
+    env = {"OPENRL_HOME": str(tmp_path), "VLLM_CACHE_ROOT": "/elsewhere", "VLLM_NO_USAGE_STATS": "0",
+           "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
     assert configure_vllm_env(env) == {} and env["VLLM_CACHE_ROOT"] == "/elsewhere"
 
 

@@ -104,6 +104,10 @@ def configure_vllm_env(env: "os._Environ[str] | dict[str, str] | None" = None) -
       ``$OPENRL_HOME/cache/vllm`` (default ``~/.openrl/cache/vllm``), so the state directory
       keeps the compile cache and the second ``openrl serve`` starts the engine faster.
     - ``VLLM_NO_USAGE_STATS=1`` unless set (no usage reporting from a self-hosted service).
+    - ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` unless set: the sampler process has initialised CUDA
+      (device resolution, ``torch.cuda.is_available()``) before the engine starts, and vLLM's
+      engine-core process then fails with "Cannot re-initialize CUDA in forked subprocess"
+      (seen on the H200, 2026-12-01).
 
     Returns the values it set (empty when everything was set already).
     """
@@ -114,6 +118,8 @@ def configure_vllm_env(env: "os._Environ[str] | dict[str, str] | None" = None) -
         done["VLLM_CACHE_ROOT"] = str(home / "cache" / "vllm")
     if not env.get("VLLM_NO_USAGE_STATS"):
         done["VLLM_NO_USAGE_STATS"] = "1"
+    if not env.get("VLLM_WORKER_MULTIPROC_METHOD"):
+        done["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     env.update(done)
     return done
 
