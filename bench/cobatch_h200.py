@@ -22,9 +22,9 @@ Sections (``--sections``, default all):
   optim     optim_step of 8 runs, one after another
   profile   torch.profiler table of one 8-run co-batched step (profile_cobatch8.txt)
 
-Configurations: "optimised" = grouped-GEMM multi-LoRA (``openrl.lora.MULTI_ADAPTER_MODE =
-"auto"``), fused logprob head (``openrl.numerics.FUSED_LOGPROB``), compiled pointwise
-kernels (``openrl.numerics.accelerate_model``); "before" = stacked row-masked LoRA, the
+Configurations: "optimised" = grouped-GEMM multi-LoRA (``openrl.model.lora.MULTI_ADAPTER_MODE =
+"auto"``), fused logprob head (``openrl.model.numerics.FUSED_LOGPROB``), compiled pointwise
+kernels (``openrl.model.numerics.accelerate_model``); "before" = stacked row-masked LoRA, the
 checkpointed two-pass logprob head, eager pointwise code (the engine as it was measured
 before this work: 8 runs 622 ms, one adapter 550 ms per 8192 tokens).
 
@@ -110,7 +110,7 @@ def build_model(tiny: bool, dev: str):
 class Bench:
     def __init__(self, args):
         from functions.trainer.engine import TrainerEngine
-        from openrl.lora import LoraSpec
+        from openrl.model.lora import LoraSpec
 
         self.args = args
         self.dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,7 +137,8 @@ class Bench:
                     if "lora_B" in name:
                         p.copy_(torch.randn(p.shape, generator=g) * 0.01)
         self.rng = np.random.RandomState(0)
-        from openrl import lora, numerics
+        from openrl.model import lora
+        from openrl.model import numerics
 
         self.lora, self.numerics = lora, numerics
         self.fast = {k: v.fast for k, v in numerics._KERNELS.items()}
@@ -211,7 +212,7 @@ class Bench:
 
     def s_check(self) -> None:
         """Optimised vs 'before' on the GPU: logprobs and LoRA gradients of 2 co-batched runs."""
-        from openrl.numerics import pad_batch, target_logprobs
+        from openrl.model.numerics import pad_batch, target_logprobs
 
         T = min(self.T, 256)
         ids = torch.from_numpy(self.rng.randint(0, self.cfg.vocab_size, size=(3, T + 1)))
@@ -237,7 +238,7 @@ class Bench:
     def s_precision(self) -> None:
         """bf16 paths ('before', 'optimised', each ablation) vs a float32 reference (the same
         weights upcast, eager 'before' code): relative L2 error of logprobs and LoRA grads."""
-        from openrl.numerics import pad_batch, target_logprobs
+        from openrl.model.numerics import pad_batch, target_logprobs
 
         T = min(self.T, 256)
         ids = torch.from_numpy(self.rng.randint(0, self.cfg.vocab_size, size=(3, T + 1)))

@@ -77,7 +77,7 @@ def main() -> int:
     import tinker
     from tinker import types
 
-    from openrl.embedded import Stack, free_port
+    from openrl.transport.embedded import Stack, free_port
 
     state = Path(args.state_dir or tempfile.mkdtemp(prefix="openrl-bench-gw-"))
     state.mkdir(parents=True, exist_ok=True)

@@ -151,8 +151,8 @@ async def run(args) -> None:
         return
     # ------------------------------------------------------------ save -> first sample
     from functions.trainer.engine import Datum, FwdBwdItem, TrainerEngine
-    from openrl.lora import LoraSpec
-    from openrl.numerics import target_logprobs
+    from openrl.model.lora import LoraSpec
+    from openrl.model.numerics import target_logprobs
     import numpy as np
 
     t = time.time()

@@ -19,7 +19,7 @@ Three parts:
    run: ``export`` (``save_peft_adapter``), ``manifest`` (sha256 of the files), ``upload``
    (``Storage.put_dir``), ``download`` (``Storage.get_dir`` on an empty cache, including the
    sha256 verify; ``file://`` reads in place), ``load`` (``load_peft_adapter`` into the
-   sampler's :class:`~openrl.lora.MultiLoRAModel`). With ``--big``, upload/download/sha256
+   sampler's :class:`~openrl.model.lora.MultiLoRAModel`). With ``--big``, upload/download/sha256
    also run on synthetic files of the Qwen3-4B adapter sizes (no 4B model is loaded).
 
 Medians over ``--repeats``; torch uses one thread in this process. The stack's workers use
@@ -83,7 +83,7 @@ def e2e(storage: str, models: Path, ranks: list[int], repeats: int, emulator: st
     import tinker
     from tinker import types
 
-    from openrl.embedded import Stack, free_port
+    from openrl.transport.embedded import Stack, free_port
     from openrl.storage import TinkerPath, open_storage
 
     state = work / f"state-{storage}"
@@ -152,7 +152,7 @@ def breakdown(storage_url: str, src_path: str, models: Path, repeats: int, work:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from openrl.lora import MultiLoRAModel, load_peft_adapter, save_peft_adapter
+    from openrl.model.lora import MultiLoRAModel, load_peft_adapter, save_peft_adapter
     from openrl.storage import TinkerPath, build_manifest, open_storage
 
     torch.set_num_threads(1)
@@ -229,7 +229,7 @@ def main() -> None:
     ranks = [int(r) for r in args.ranks.split(",")]
     backends = [b for b in args.storage.split(",") if b]
 
-    from openrl.registry import ModelRegistry, ensure_built
+    from openrl.model.registry import ModelRegistry, ensure_built
 
     models = Path(os.environ.get("OPENRL_TEST_MODELS") or Path(tempfile.gettempdir()) / "openrl-bench-models")
     ensure_built(ModelRegistry.load(None, models_dir=models))

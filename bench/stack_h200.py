@@ -446,7 +446,7 @@ def breakdown(s: Serve, t_from: float, t_to: float) -> None:
     import asyncio
 
     async def go():
-        from openrl.bus import FUTURES_BUCKET, Bus, FutureRecord
+        from openrl.transport.bus import FUTURES_BUCKET, Bus, FutureRecord
 
         nats = json.loads((s.state / "ports.json").read_text())["nats"]
         bus = await Bus(nats).connect()
@@ -629,7 +629,7 @@ def direct_main(a) -> None:
     kind = a.direct_backend or ("auto" if dev.startswith("cuda") else "hf")
     adapters = [Path(x) for x in a.adapters.split(",")] if a.adapters else []
     if not dev.startswith("cuda"):
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # as the stack's sampler (openrl.runtime)
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # as the stack's sampler (openrl.model.runtime)
 
     async def go():
         t = time.time()

@@ -57,4 +57,4 @@ EXPOSE 8080
 # For docker run; in the cluster the Knative Service's probes do this.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/healthz/live', timeout=4)"]
-CMD ["python", "-m", "openrl.bindings.http", "functions.sampler", "--host", "0.0.0.0", "--port", "8080"]
+CMD ["python", "-m", "openrl.transport.bindings.http", "functions.sampler", "--host", "0.0.0.0", "--port", "8080"]

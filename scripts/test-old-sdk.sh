@@ -22,7 +22,7 @@ PY=${PYTHON:-python3}
 STATE=$(mktemp -d "${TMPDIR:-/tmp}/openrl-oldsdk.XXXXXX")
 mkdir -p "$STATE"
 if [ -n "${OPENRL_TEST_MODELS:-}" ]; then ln -s "$OPENRL_TEST_MODELS" "$STATE/models"; fi
-PORT=$(.venv/bin/python -c 'from openrl.embedded import free_port; print(free_port())')
+PORT=$(.venv/bin/python -c 'from openrl.transport.embedded import free_port; print(free_port())')
 TINKER_TELEMETRY=0 .venv/bin/openrl serve --port "$PORT" --state-dir "$STATE" >"$STATE/serve.log" 2>&1 &
 SERVE=$!
 cleanup() { kill -INT "$SERVE" 2>/dev/null || true; wait "$SERVE" 2>/dev/null || true; rm -rf "$STATE"; }

@@ -21,7 +21,7 @@ BASE_MODEL = "Qwen/Qwen3-4B-Instruct-2507"
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory) -> Path:
     """One build of the offline model for the whole test session (shared by stacks)."""
-    from openrl.registry import ModelRegistry, ensure_built
+    from openrl.model.registry import ModelRegistry, ensure_built
 
     d = Path(os.environ.get("OPENRL_TEST_MODELS", tmp_path_factory.mktemp("models")))
     ensure_built(ModelRegistry.load(None, models_dir=d))
@@ -34,7 +34,7 @@ _SESSION_KEY = "tml-test-" + __import__("secrets").token_urlsafe(18)
 def _make_stack(tmp_path_factory, models_dir: Path, **kw):
     """A Stack in a fresh state dir; its <state>/api_key is the session's shared test key, so
     every test stack accepts the ``api_key`` fixture."""
-    from openrl.embedded import Stack, free_port
+    from openrl.transport.embedded import Stack, free_port
 
     state = tmp_path_factory.mktemp("state")
     (state / "models").symlink_to(models_dir, target_is_directory=True)

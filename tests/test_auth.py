@@ -1,6 +1,6 @@
 """API keys and isolation between keys (invariant 6), through the real ``tinker`` SDK against
 the embedded stack of ``keyed_stack`` (keys: ``user``, ``other``, ``admin``), plus the key
-configuration rules of :mod:`openrl.auth`.
+configuration rules of :mod:`openrl.edge.auth`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import tinker
 from tinker import types
 
 from conftest import BASE_MODEL
-from openrl import proto
-from openrl.auth import AuthConfigError, AuthError, KeyRing, load_keys, owner_of, parse_entry
+from openrl.edge import proto
+from openrl.edge.auth import AuthConfigError, AuthError, KeyRing, load_keys, owner_of, parse_entry
 
 
 def client(stack, key: str) -> tinker.ServiceClient:
@@ -81,7 +81,7 @@ def test_gateway_process_refuses_to_start_without_keys(tmp_path):
            if k not in ("OPENRL_API_KEYS", "OPENRL_API_KEYS_FILE", "OPENRL_INSECURE_ANY_KEY")}
     env.update(OPENRL_HOME=str(tmp_path), OPENRL_STORAGE=(tmp_path / "s").as_uri(),
                OPENRL_NATS_URL="nats://127.0.0.1:9")  # never reached: it must stop before connecting
-    from openrl.embedded import free_port
+    from openrl.transport.embedded import free_port
 
     r = subprocess.run([sys.executable, "-m", "functions.gateway", "--port", str(free_port())], env=env,
                        capture_output=True, text=True, timeout=120)
@@ -99,7 +99,7 @@ def test_internal_token():
 
 
 def test_embedded_key_file_is_private_and_passed_to_the_gateway(tmp_path):
-    from openrl.embedded import Stack, api_key
+    from openrl.transport.embedded import Stack, api_key
 
     key = api_key(tmp_path)
     assert key.startswith("tml-") and len(key) > 20
@@ -266,7 +266,7 @@ def test_insecure_any_key_gateway_in_process(keyed_stack, tmp_path):
     from fastapi.testclient import TestClient
 
     from functions.gateway.app import create_app
-    from openrl.registry import ModelRegistry
+    from openrl.model.registry import ModelRegistry
 
     app = create_app(nats_url=keyed_stack.nats_url, storage_url=keyed_stack.storage,
                      registry=ModelRegistry.load(None, models_dir=keyed_stack.state_dir / "models"),

@@ -1,11 +1,11 @@
-"""openrl.bus against a real nats-server (JetStream, file storage, 127.0.0.1): listing KV keys."""
+"""openrl.transport.bus against a real nats-server (JetStream, file storage, 127.0.0.1): listing KV keys."""
 
 from __future__ import annotations
 
 import asyncio
 
-from openrl.bus import FUTURES_BUCKET, META_BUCKET, Bus
-from openrl.embedded import free_port, start_nats
+from openrl.transport.bus import FUTURES_BUCKET, META_BUCKET, Bus
+from openrl.transport.embedded import free_port, start_nats
 
 
 async def test_kv_keys_lists_every_live_key_even_under_concurrent_writes(tmp_path):

@@ -49,12 +49,12 @@ NAMESPACE = "openrl"
 BROKER = "openrl"
 # The event types the gateway publishes (openrl/events.py is the source of truth, so a new
 # op without a Trigger fails test_every_event_type_reaches_exactly_its_function).
-from openrl.events import RESULT_TYPE, SAMPLE_OPS, TRAIN_OPS  # noqa: E402
+from openrl.contract.events import RESULT_TYPE, SAMPLE_OPS, TRAIN_OPS  # noqa: E402
 # How each function starts; the same command is the image's CMD (docker/*.Dockerfile).
 ENTRYPOINTS = {
     "gateway": ["python", "-m", "functions.gateway", "--host", "0.0.0.0", "--port", "8080"],
-    "trainer": ["python", "-m", "openrl.bindings.http", "functions.trainer", "--host", "0.0.0.0", "--port", "8080"],
-    "sampler": ["python", "-m", "openrl.bindings.http", "functions.sampler", "--host", "0.0.0.0", "--port", "8080"],
+    "trainer": ["python", "-m", "openrl.transport.bindings.http", "functions.trainer", "--host", "0.0.0.0", "--port", "8080"],
+    "sampler": ["python", "-m", "openrl.transport.bindings.http", "functions.sampler", "--host", "0.0.0.0", "--port", "8080"],
 }
 KNATIVE_GROUPS = ("serving.knative.dev", "eventing.knative.dev", "messaging.knative.dev", "sources.knative.dev")
 
@@ -656,7 +656,7 @@ def test_environment_contract(overlay):
 @pytest.mark.parametrize("overlay", APP_OVERLAYS)
 def test_model_registry_loads(overlay, tmp_path):
     """The mounted models.toml parses with the real registry code (openrl/registry.py)."""
-    registry = pytest.importorskip("openrl.registry", reason="openrl not importable")
+    registry = pytest.importorskip("openrl.model.registry", reason="openrl not importable")
     docs = build(overlay)
     (gateway,) = [k for k in ksvcs(docs).values() if function_of(k) == "gateway"]
     path = env_of(docs, gateway)["OPENRL_MODEL_REGISTRY"]

@@ -26,7 +26,7 @@ from tinker import types
 
 from conftest import BASE_MODEL
 from fixtures_keys import GAP_TIMEOUT_S, MAX_BODY_BYTES
-from openrl import proto
+from openrl.edge import proto
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 CONTEXT = 4096  # max_context_length of the built model in openrl/data/models.toml
@@ -41,7 +41,7 @@ def datum(tokens: list[int], **inputs) -> types.Datum:
 
 
 def fb_body(model_id: str, seq_id: int, tokens=(1, 2, 3), loss_fn="cross_entropy", **inputs) -> bytes:
-    """A ForwardBackwardRequest as the SDK encodes it (openrl.proto's encoder)."""
+    """A ForwardBackwardRequest as the SDK encodes it (openrl.edge.proto's encoder)."""
     n = len(tokens)
     li = {"target_tokens": np.arange(2, 2 + n), "weights": np.ones(n, np.float32), **inputs}
     return proto.encode_forward_backward_request(model_id, seq_id, [proto.FwdBwdDatum(list(tokens), li)], loss_fn)

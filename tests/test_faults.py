@@ -38,8 +38,8 @@ import pytest
 
 from conftest import BASE_MODEL, _make_stack
 from test_trainer_resume import _assert_same  # logprobs and weights equal at 1e-6, and it trained
-from openrl import proto
-from openrl.embedded import wait_port
+from openrl.edge import proto
+from openrl.transport.embedded import wait_port
 from openrl.storage import RUNSTATE_DIR, TinkerPath
 
 tinker = pytest.importorskip("tinker")
@@ -378,8 +378,8 @@ async def test_gateway_retry_republishes_a_request_whose_publish_failed(tmp_path
     it again instead of answering with a future nobody will ever resolve; a second retry
     adds no second message (same Nats-Msg-Id)."""
     from functions.gateway.context import Gateway
-    from openrl.bus import SAMPLE_STREAM, Bus, FutureRecord
-    from openrl.embedded import free_port, start_nats
+    from openrl.transport.bus import SAMPLE_STREAM, Bus, FutureRecord
+    from openrl.transport.embedded import free_port, start_nats
 
     port = free_port()
     nats = start_nats(tmp_path, port)
@@ -427,11 +427,11 @@ async def test_a_request_no_worker_finishes_fails_its_future(tmp_path):
     request's seq_id gets a skip, so the run's later requests are not held back."""
     import json
 
-    from openrl import events
-    from openrl.bindings.jetstream import JetStreamWorker
-    from openrl.bus import SAMPLE_STREAM, TRAIN_STREAM, Bus, FutureRecord, sample_subject, train_subject
-    from openrl.embedded import free_port, start_nats
-    from openrl.worker import consumer_for
+    from openrl.contract import events
+    from openrl.transport.bindings.jetstream import JetStreamWorker
+    from openrl.transport.bus import SAMPLE_STREAM, TRAIN_STREAM, Bus, FutureRecord, sample_subject, train_subject
+    from openrl.transport.embedded import free_port, start_nats
+    from openrl.transport.worker import consumer_for
 
     port = free_port()
     nats = start_nats(tmp_path, port)
@@ -489,8 +489,8 @@ async def test_gateway_dead_letter_sink_fails_the_future_and_skips_the_seq_id(ke
     are read from the bucket with the real bus client."""
     import json
 
-    from openrl import events
-    from openrl.bus import Bus, FutureRecord
+    from openrl.contract import events
+    from openrl.transport.bus import Bus, FutureRecord
 
     bus = await Bus(keyed_stack.nats_url).connect()
     try:

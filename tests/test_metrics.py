@@ -48,7 +48,7 @@ def datum(tokens: list[int]) -> types.Datum:
 
 
 def test_metrics_move_when_work_is_done(stack, api_key):
-    from openrl.auth import owner_of
+    from openrl.edge.auth import owner_of
 
     owner = owner_of(api_key)
     before = scrape_all(stack)
@@ -118,7 +118,7 @@ def test_dashboard_queries_only_metrics_that_exist():
     """Every openrl_* series the Grafana dashboard queries is defined in openrl/metrics.py."""
     from prometheus_client import REGISTRY
 
-    import openrl.metrics  # noqa: F401  (registers the metrics)
+    import openrl.observe.metrics  # noqa: F401  (registers the metrics)
 
     known = set()
     for collector_names in REGISTRY._names_to_collectors:  # sample names (incl. _total, _bucket, ...)

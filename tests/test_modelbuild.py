@@ -1,4 +1,4 @@
-"""The offline base model (openrl.modelbuild), the model registry and the `openrl` CLI."""
+"""The offline base model (openrl.model.modelbuild), the model registry and the `openrl` CLI."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from openrl import modelbuild
+from openrl.model import modelbuild
 from openrl.cli import main as cli_main
 from openrl.errors import UserError
-from openrl.registry import ModelRegistry, RegistryError, ensure_built, state_dir
+from openrl.model.registry import ModelRegistry, RegistryError, ensure_built, state_dir
 
 EXPECTED_PARAMS = 9_822_592
 QWEN3_ADDED = [
@@ -324,9 +324,9 @@ def test_cli_models_list_json(tmp_path, capsys, monkeypatch):
 
 def test_cli_serve_wiring(tmp_path, monkeypatch):
     seen: list[argparse.Namespace] = []
-    fake = types.ModuleType("openrl.embedded")
+    fake = types.ModuleType("openrl.transport.embedded")
     fake.main = lambda args: seen.append(args) or 0
-    monkeypatch.setitem(sys.modules, "openrl.embedded", fake)
+    monkeypatch.setitem(sys.modules, "openrl.transport.embedded", fake)
     import openrl
 
     monkeypatch.setattr(openrl, "embedded", fake, raising=False)

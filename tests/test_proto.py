@@ -1,4 +1,4 @@
-"""openrl.proto against the real tinker 0.38.0 SDK encoder / decoder."""
+"""openrl.edge.proto against the real tinker 0.38.0 SDK encoder / decoder."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import zstandard
 from google.protobuf import descriptor_pb2
 
-import openrl.proto as P
+import openrl.edge.proto as P
 from openrl.errors import UserError
 
 tinker = pytest.importorskip("tinker")
@@ -75,7 +75,7 @@ def test_enums_match_sdk():
 
 
 def test_server_modules_do_not_import_tinker():
-    code = "import sys, openrl.proto, openrl.wire; assert not any(m == 'tinker' or m.startswith('tinker.') for m in sys.modules), 'tinker imported'"
+    code = "import sys, openrl.edge.proto, openrl.edge.wire; assert not any(m == 'tinker' or m.startswith('tinker.') for m in sys.modules), 'tinker imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

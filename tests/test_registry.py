@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from openrl import cli
-from openrl.modelcheck import ModelDirError, validate_model_dir
-from openrl.registry import (
+from openrl.model.modelcheck import ModelDirError, validate_model_dir
+from openrl.model.registry import (
     DTYPE_NAMES,
     ModelRegistry,
     RegistryError,
@@ -173,7 +173,7 @@ def test_overlay_writer_escapes_and_reads_back():
 
 
 def test_dtype_names_match_openrl_device():
-    from openrl import device
+    from openrl.model import device
 
     assert DTYPE_NAMES == device.DTYPE_NAMES
 
@@ -299,7 +299,7 @@ def test_model_spec_bad_is_a_usage_error(capsys):
 
 @pytest.fixture
 def fake_embedded(monkeypatch):
-    """openrl.embedded replaced by a recorder: serve / run return before starting a stack."""
+    """openrl.transport.embedded replaced by a recorder: serve / run return before starting a stack."""
     seen: list[tuple[str, argparse.Namespace, dict]] = []
 
     def record(kind):
@@ -309,12 +309,12 @@ def fake_embedded(monkeypatch):
             return 0
         return f
 
-    fake = types.ModuleType("openrl.embedded")
+    fake = types.ModuleType("openrl.transport.embedded")
     fake.main, fake.run_script = record("serve"), record("run")
-    monkeypatch.setitem(sys.modules, "openrl.embedded", fake)
-    import openrl
+    monkeypatch.setitem(sys.modules, "openrl.transport.embedded", fake)
+    import openrl.transport
 
-    monkeypatch.setattr(openrl, "embedded", fake, raising=False)
+    monkeypatch.setattr(openrl.transport, "embedded", fake, raising=False)
     return seen
 
 

@@ -20,8 +20,8 @@ from functions.sampler.engine import (
 )
 from functions.sampler.hf_backend import HFBackend
 from openrl.errors import ServerError, UserError
-from openrl.lora import LoraSpec, MultiLoRAModel, save_peft_adapter
-from openrl.numerics import target_logprobs
+from openrl.model.lora import LoraSpec, MultiLoRAModel, save_peft_adapter
+from openrl.model.numerics import target_logprobs
 
 VOCAB = 512
 EOS = 0  # "<|endoftext|>" is the tokenizer's first (special) token
@@ -325,13 +325,13 @@ async def test_adapters_rows_differ_and_match_single_runs(model_dir, adapter_dir
     assert solo[0] != solo[1] and solo[1] != solo[2]
     mixed = await asyncio.gather(*(eng.sample(j) for j in jobs + jobs))
     assert [r.sequences[0].tokens for r in mixed] == solo + solo
-    # the adapter's numbers are the trainer's (PEFT directory loaded by openrl.lora)
+    # the adapter's numbers are the trainer's (PEFT directory loaded by openrl.model.lora)
     assert solo[1] == _greedy_with_adapter(model_dir, adapter_dirs[0], PROMPTS[0], 6)
     await eng.close()
 
 
 def _greedy_with_adapter(model_dir, adapter_dir, prompt, n):
-    from openrl.lora import load_peft_adapter
+    from openrl.model.lora import load_peft_adapter
 
     m = MultiLoRAModel(transformers.AutoModelForCausalLM.from_pretrained(str(model_dir)).eval())
     load_peft_adapter(m, "x", adapter_dir)

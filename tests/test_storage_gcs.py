@@ -28,7 +28,7 @@ from openrl.storage import (
     sha256_file,
     sweep_expired,
 )
-from openrl.storage_gcs import GCSStorage, make_client
+from openrl.storage.gcs import GCSStorage, make_client
 
 PREFIX = "ckpts/v1"
 

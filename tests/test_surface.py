@@ -581,7 +581,7 @@ def test_gcs_checkpoints_get_v4_signed_urls_or_fall_back():
 
     from functions.gateway.routes_download import _gcs_signed_urls
     from openrl.storage import TinkerPath
-    from openrl.storage_gcs import GCSStorage
+    from openrl.storage.gcs import GCSStorage
 
     pem = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode()

@@ -93,7 +93,9 @@ def test_traceparent_rides_the_cloudevent():
     """In-process: a span's context goes into the request event's extensions and comes back out."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from openrl import events, tracing
+    from openrl.contract import events
+
+    from openrl.observe import tracing
 
     mem = InMemorySpanExporter()
     assert tracing.setup("openrl-test", exporter=mem)
@@ -113,7 +115,7 @@ def test_traceparent_rides_the_cloudevent():
 
 
 def test_json_log_lines_carry_the_context():
-    from openrl import logs
+    from openrl.observe import logs
 
     buf = io.StringIO()
     handler = logging.StreamHandler(buf)

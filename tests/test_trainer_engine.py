@@ -13,7 +13,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from functions.trainer.engine import Datum, FwdBwdItem, TrainerEngine
 from openrl.errors import NotFound, UserError
-from openrl.lora import LoraSpec
+from openrl.model.lora import LoraSpec
 
 VOCAB = 512
 

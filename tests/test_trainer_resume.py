@@ -57,7 +57,7 @@ PERIODIC = "0.3"  # OPENRL_FLUSH_INTERVAL_S of a trainer that flushes periodical
 def store(request, tmp_path, monkeypatch):
     if request.param == "file":
         return FileStorage(tmp_path / "root")
-    from openrl.storage_gcs import GCSStorage, make_client
+    from openrl.storage.gcs import GCSStorage, make_client
 
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", request.getfixturevalue("gcs_emulator"))
     bucket = f"openrl-rs-{uuid.uuid4().hex[:10]}"
@@ -152,7 +152,8 @@ TOKS = list(range(100, 121))
 
 
 def _fb_event(seq: int):
-    from openrl import events, proto
+    from openrl.contract import events
+    from openrl.edge import proto
 
     d = proto.FwdBwdDatum(tokens=TOKS[:-1], loss_fn_inputs={
         "target_tokens": np.array(TOKS[1:], dtype=np.int64), "weights": np.ones(len(TOKS) - 1, dtype=np.float32)})
@@ -161,14 +162,14 @@ def _fb_event(seq: int):
 
 
 def _opt_event(seq: int):
-    from openrl import events
+    from openrl.contract import events
 
     return events.request_event("optim_step", f"{MID}:{seq}", MID,
                                 {"model_id": MID, "seq_id": seq, "adam_params": {"learning_rate": LR}})
 
 
 def _create_event():
-    from openrl import events
+    from openrl.contract import events
 
     return events.request_event("create_model", f"{MID}:0", MID, {
         "model_id": MID, "base_model": BASE_MODEL, "lora_config": {"rank": RANK, "seed": SEED},
@@ -185,12 +186,12 @@ def test_function_stop_flush_restore_redelivery(backend, request, models_dir, tm
     on the next request, answers a redelivered seq_id below the cursor from the kept result
     when its handler had not returned at flush time and not at all otherwise (nothing is
     applied twice), and the continued run equals an uninterrupted run byte for byte."""
-    from openrl import events
+    from openrl.contract import events
     from functions.trainer.function import TrainerFunction
 
     monkeypatch.setenv("OPENRL_TORCH_THREADS", "1")
     if backend == "gcs":
-        from openrl.storage_gcs import make_client
+        from openrl.storage.gcs import make_client
 
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", request.getfixturevalue("gcs_emulator"))
         bucket = f"openrl-fn-{uuid.uuid4().hex[:10]}"
@@ -411,7 +412,7 @@ def test_restore_waits_for_the_previous_trainers_final_flush(models_dir, tmp_pat
     """A new trainer asked for seq_id 4 while the stored pointer is a periodic one at cursor 3
     (the old trainer is still finishing, as in a rolling restart) waits for the old trainer's
     stop() flush instead of restoring stale state."""
-    from openrl import events
+    from openrl.contract import events
     from functions.trainer.function import TrainerFunction
 
     monkeypatch.setenv("OPENRL_TORCH_THREADS", "1")

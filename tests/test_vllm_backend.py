@@ -27,7 +27,7 @@ from functions.sampler.vllm_backend import (
 )
 from functions.trainer.engine import TrainerEngine
 from openrl.errors import ServerError, UserError
-from openrl.lora import LoraSpec
+from openrl.model.lora import LoraSpec
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
 

@@ -1,4 +1,4 @@
-"""openrl.wire against request bodies built by the real tinker 0.38.0 SDK."""
+"""openrl.edge.wire against request bodies built by the real tinker 0.38.0 SDK."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pydantic
 import pytest
 import torch
 
-import openrl.wire as W
+import openrl.edge.wire as W
 from openrl.errors import UserError
 
 tinker = pytest.importorskip("tinker")

@@ -1,7 +1,7 @@
 """What each worker runs on: the JetStream worker's record in the meta bucket, the
 ``openrl_function_info`` metric, ``GET /api/v1/status`` and the ``openrl status`` table.
 
-A real nats-server and real ``python -m openrl.worker`` processes run tiny fake Functions
+A real nats-server and real ``python -m openrl.transport.worker`` processes run tiny fake Functions
 (no model, no GPU) whose ``describe()`` says what they run on; the trainer's backend is
 ``pending`` until its fake "first model load" a moment after start, as a real one's is.
 """
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from openrl import metrics
-from openrl.bus import Bus
-from openrl.embedded import free_port, start_nats
-from openrl.worker import WORKERS_KEY, WorkerPresence, describe, function_of_consumer, worker_records
+from openrl.observe import metrics
+from openrl.transport.bus import Bus
+from openrl.transport.embedded import free_port, start_nats
+from openrl.transport.worker import WORKERS_KEY, WorkerPresence, describe, function_of_consumer, worker_records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,11 +136,11 @@ def test_jetstream_worker_describes_itself(tmp_path, nats_url, monkeypatch):
     logs.mkdir()
     procs = {
         "trainer": subprocess.Popen(
-            [sys.executable, "-m", "openrl.worker", "fakefns.trainer", "--nats", nats_url, "--shard", "1",
+            [sys.executable, "-m", "openrl.transport.worker", "fakefns.trainer", "--nats", nats_url, "--shard", "1",
              "--drain-s", "1"], env={**env, "FAKE_BACKEND": "torch", "FAKE_LOAD_S": "1.5"}, cwd=ROOT,
             stdout=open(logs / "trainer.log", "wb"), stderr=subprocess.STDOUT),
         "sampler": subprocess.Popen(
-            [sys.executable, "-m", "openrl.worker", "fakefns.sampler", "--nats", nats_url, "--drain-s", "1"],
+            [sys.executable, "-m", "openrl.transport.worker", "fakefns.sampler", "--nats", nats_url, "--drain-s", "1"],
             env={**env, "FAKE_BACKEND": "vllm"}, cwd=ROOT,
             stdout=open(logs / "sampler.log", "wb"), stderr=subprocess.STDOUT),
     }
@@ -166,9 +166,9 @@ def test_jetstream_worker_describes_itself(tmp_path, nats_url, monkeypatch):
         from fastapi.testclient import TestClient
 
         from functions.gateway.app import create_app
-        from openrl import cli_status
-        from openrl.auth import KeyRing
-        from openrl.registry import ModelRegistry
+        from openrl.cli import status as cli_status
+        from openrl.edge.auth import KeyRing
+        from openrl.model.registry import ModelRegistry
 
         app = create_app(nats_url=nats_url, storage_url=(tmp_path / "storage").as_uri(),
                          registry=ModelRegistry.load(None, models_dir=tmp_path / "models"),
@@ -263,7 +263,7 @@ def test_http_binding_exports_function_info():
     at each scrape, so the backend shows up once the first model has loaded."""
     from fastapi.testclient import TestClient
 
-    from openrl.bindings.http import create_app
+    from openrl.transport.bindings.http import create_app
 
     class Fake:
         backend = "pending"

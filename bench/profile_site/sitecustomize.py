@@ -1,7 +1,7 @@
 """bench/stack_h200.py --profile-sampler: cProfile the embedded stack's sampler worker.
 
 Put on PYTHONPATH with ``OPENRL_BENCH_PROFILE=DIR``; in a process started as
-``python -m openrl.worker functions.sampler ...`` it profiles the main thread (the event loop:
+``python -m openrl.transport.worker functions.sampler ...`` it profiles the main thread (the event loop:
 JetStream binding, handler, result writes, vLLM's output handler) from start to exit and writes
 ``DIR/sampler_<pid>.prof`` (pstats) when the worker exits on SIGTERM. Other processes: no effect.
 """

@@ -15,11 +15,12 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args()
-    from openrl import logs, tracing
+    from openrl.observe import logs
+    from openrl.observe import tracing
 
     logs.setup("gateway")
     tracing.setup("openrl-gateway")
-    from openrl.auth import AuthConfigError
+    from openrl.edge.auth import AuthConfigError
 
     try:
         app = app_from_env()

@@ -16,10 +16,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from functions.gateway.context import BodyTooLarge, Gateway, GatewaySettings
-from openrl.proto import HEAD_BYTES
-from openrl.bus import Bus, FutureWaiter
+from openrl.edge.proto import HEAD_BYTES
+from openrl.transport.bus import Bus, FutureWaiter
 from openrl.errors import OpenRLError, UserError
-from openrl.registry import ModelRegistry
+from openrl.model.registry import ModelRegistry
 from openrl.storage import ExpirySweeper, open_storage
 
 
@@ -70,8 +70,8 @@ class EdgeMiddleware:
     """Pure ASGI middleware in front of every route: API keys and the body-size cap.
 
     * ``/api/v1/*`` except :data:`OPEN_PATHS`: the ``X-API-Key`` header must hold a configured
-      key (:class:`openrl.auth.KeyRing`); otherwise 401 with a JSON body naming the header. The
-      :class:`openrl.auth.Caller` is put in ``request.state.caller`` for the routes.
+      key (:class:`openrl.edge.auth.KeyRing`); otherwise 401 with a JSON body naming the header. The
+      :class:`openrl.edge.auth.Caller` is put in ``request.state.caller`` for the routes.
     * ``/events/*``: the internal token, when one is configured (``X-OpenRL-Internal-Token``
       header or ``?token=``).
     * Bodies: a ``Content-Length`` over ``max_body_bytes`` is answered 413 before anything is
@@ -96,7 +96,7 @@ class EdgeMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        from openrl.auth import HEADER, INTERNAL_HEADER, AuthError
+        from openrl.edge.auth import HEADER, INTERNAL_HEADER, AuthError
 
         path = scope.get("path", "")
         try:
@@ -148,13 +148,13 @@ def create_app(
         nats_url: NATS server URL (default ``$OPENRL_NATS_URL``).
         storage_url: ``file:///dir`` or ``gs://bucket/prefix`` (read for REST listings).
         registry: base-model registry.
-        keys: the accepted API keys (:class:`openrl.auth.KeyRing`); default
-            :func:`openrl.auth.load_keys` from the environment.
+        keys: the accepted API keys (:class:`openrl.edge.auth.KeyRing`); default
+            :func:`openrl.edge.auth.load_keys` from the environment.
 
     Raises:
-        openrl.auth.AuthConfigError: no keys configured (see :mod:`openrl.auth`).
+        openrl.edge.auth.AuthConfigError: no keys configured (see :mod:`openrl.edge.auth`).
     """
-    from openrl.auth import load_keys
+    from openrl.edge.auth import load_keys
 
     keys = keys if keys is not None else load_keys()
     gw = Gateway(bus=Bus(nats_url), registry=registry, storage=open_storage(storage_url), settings=settings or GatewaySettings())
@@ -164,7 +164,7 @@ def create_app(
     async def lifespan(app: FastAPI):
         await gw.bus.connect()
         gw.waiter = FutureWaiter(gw.bus)
-        from openrl import metrics
+        from openrl.observe import metrics
 
         gw.waiter.listeners.append(metrics.FUTURES.on_update)  # submit → result latency, trace spans
         await gw.waiter.start()
@@ -184,7 +184,7 @@ def create_app(
 
     @app.exception_handler(pydantic.ValidationError)
     async def _validation_error(request: Request, exc: pydantic.ValidationError):
-        from openrl.wire import validation_error_to_user_error
+        from openrl.edge.wire import validation_error_to_user_error
 
         return error_response(validation_error_to_user_error(exc))
 

@@ -15,10 +15,14 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from openrl import events, metrics, tracing
-from openrl.bus import SAMPLE_STREAM, TRAIN_STREAM, Bus, FutureWaiter, sample_subject, train_subject
+from openrl.contract import events
+
+from openrl.observe import metrics
+
+from openrl.observe import tracing
+from openrl.transport.bus import SAMPLE_STREAM, TRAIN_STREAM, Bus, FutureWaiter, sample_subject, train_subject
 from openrl.errors import NotFound, UserError
-from openrl.registry import ModelRegistry
+from openrl.model.registry import ModelRegistry
 from openrl.storage import Storage
 
 
@@ -65,7 +69,7 @@ class Gateway:
     storage: Storage
     settings: GatewaySettings = field(default_factory=GatewaySettings)
     waiter: FutureWaiter | None = None
-    keys: object | None = None  # openrl.auth.KeyRing, set by create_app
+    keys: object | None = None  # openrl.edge.auth.KeyRing, set by create_app
     rejected: dict[str, int] = field(default_factory=dict)  # stream -> 429s answered (this replica)
     _depth: dict[str, list] = field(default_factory=dict)  # stream -> [messages, monotonic time read]
     _samplers: dict[str, tuple] = field(default_factory=dict)  # sampler id -> (record, monotonic time read)
@@ -75,8 +79,8 @@ class Gateway:
     # ----- identity ---------------------------------------------------------------
     @staticmethod
     def owner_of(api_key: str | None) -> str:
-        """A stable, non-reversible owner id for an API key (sha256 prefix; see :mod:`openrl.auth`)."""
-        from openrl.auth import owner_of
+        """A stable, non-reversible owner id for an API key (sha256 prefix; see :mod:`openrl.edge.auth`)."""
+        from openrl.edge.auth import owner_of
 
         return owner_of(api_key)
 
@@ -141,7 +145,7 @@ class Gateway:
 
     # ----- backpressure -----------------------------------------------------------
     def _limit_of(self, stream: str) -> int:
-        from openrl.bus import SAMPLE_STREAM
+        from openrl.transport.bus import SAMPLE_STREAM
 
         s = self.settings
         return s.max_pending_samples if stream == SAMPLE_STREAM else s.max_pending_train
@@ -234,7 +238,7 @@ class Gateway:
         if owner_id:
             ext["owner"] = owner_id  # the owner id (never the key): per-key usage metrics in the workers
         # observability: a "publish <op>" span whose context rides in the event's traceparent;
-        # it ends when the result lands (openrl.metrics.FutureTracker), timing the future
+        # it ends when the result lands (openrl.observe.metrics.FutureTracker), timing the future
         span = tracing.start_span(f"publish {op}", kind="producer", attributes={
             "cloudevents.event_id": request_id, "cloudevents.event_type": events.event_type(op),
             "cloudevents.event_subject": subject, "messaging.system": "nats",
@@ -266,7 +270,7 @@ class Gateway:
         """
         import httpx
 
-        from openrl.bus import kv_key
+        from openrl.transport.bus import kv_key
         from openrl.errors import ServerError
 
         if self._http is None:
@@ -283,7 +287,7 @@ class Gateway:
 
     async def touch_model(self, model_id: str, **fields) -> None:
         """Update last_request_time (and other fields) of a training run record."""
-        from openrl.bus import now_iso
+        from openrl.transport.bus import now_iso
 
         def upd(old):
             old = dict(old or {})

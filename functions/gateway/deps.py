@@ -20,9 +20,9 @@ def gw(request: Request) -> Gateway:
 
 
 def caller(request: Request):
-    """The :class:`openrl.auth.Caller` of a request, checked by the gateway's ``EdgeMiddleware``
+    """The :class:`openrl.edge.auth.Caller` of a request, checked by the gateway's ``EdgeMiddleware``
     (every ``/api/v1`` route but ``healthz``; a request without a valid key never gets here)."""
-    from openrl.auth import Caller
+    from openrl.edge.auth import Caller
 
     c = request.scope.get("state", {}).get("caller")
     return c if c is not None else Caller(Gateway.owner_of(request.headers.get("x-api-key")))
@@ -58,6 +58,6 @@ async def parse(request: Request, model: type[M]) -> M:
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as exc:
-        from openrl.wire import validation_error_to_user_error
+        from openrl.edge.wire import validation_error_to_user_error
 
         raise validation_error_to_user_error(exc) from exc

@@ -21,8 +21,8 @@ from fastapi import APIRouter, Request
 
 from functions.gateway.deps import gw, owner, parse
 from functions.gateway.routes_training import _owned_manifest, model_id_for
-from openrl import wire
-from openrl.bus import now_iso
+from openrl.edge import wire
+from openrl.transport.bus import now_iso
 from openrl.errors import NotSupported, UserError
 from openrl.storage import TinkerPath
 
@@ -36,7 +36,7 @@ async def copy_weights(request: Request) -> dict:
     """Returns ``{"tinker_path": "tinker://<new run>/<kind>/<name>"}``.
 
     Raises:
-        UserError: a field of :class:`openrl.wire.CopyWeightsRequest`; the session slot is taken.
+        UserError: a field of :class:`openrl.edge.wire.CopyWeightsRequest`; the session slot is taken.
         NotFound: ``source_path`` is not readable by the caller; ``session_id`` is not theirs.
         NotSupported: ``X-Tinker-Weights-Access-Token`` (this server issues no access tokens).
     """

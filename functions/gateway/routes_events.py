@@ -12,9 +12,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from functions.gateway.deps import gw
-from openrl import events
-from openrl.bindings.deadletter import dead_seq, fail_undelivered, gave_up_message
-from openrl.bindings.results import store_result
+from openrl.contract import events
+from openrl.transport.bindings.deadletter import dead_seq, fail_undelivered, gave_up_message
+from openrl.transport.bindings.results import store_result
 
 router = APIRouter(prefix="/events")
 

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from functions.gateway.deps import gw, owner, parse
-from openrl import wire
+from openrl.edge import wire
 from openrl.errors import NotFound
 
 router = APIRouter(prefix="/api/v1")

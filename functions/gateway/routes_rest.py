@@ -3,7 +3,7 @@
 Checkpoints are listed from storage manifests (the source of truth for saved weights);
 training runs and sessions from the metadata bucket. Everything is scoped to the
 caller's API key: another key's objects answer 404 and never appear in listings. An admin
-key (see :mod:`openrl.auth`) with ``access_scope=all`` (or the SDK's ``accessible``) lists and
+key (see :mod:`openrl.edge.auth`) with ``access_scope=all`` (or the SDK's ``accessible``) lists and
 reads every key's training runs, checkpoints and sessions; it cannot change them.
 """
 
@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 
 from functions.gateway.deps import caller, gw, owner, parse, sees_all
 from functions.gateway.routes_training import _owned_manifest
-from openrl import wire
+from openrl.edge import wire
 from openrl.errors import NotFound, UserError
 from openrl.storage import TinkerPath
 

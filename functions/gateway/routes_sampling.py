@@ -13,8 +13,8 @@ from fastapi import APIRouter, Request
 from functions.gateway.context import require
 from functions.gateway.deps import gw, owner, parse
 from functions.gateway.routes_training import _owned_manifest
-from openrl import wire
-from openrl.bus import SAMPLE_STREAM, now_iso
+from openrl.edge import wire
+from openrl.transport.bus import SAMPLE_STREAM, now_iso
 from openrl.storage import TinkerPath
 
 router = APIRouter(prefix="/api/v1")

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from functions.gateway.deps import caller, gw, owner, parse
-from openrl import wire
-from openrl.bus import now_iso
+from openrl.edge import wire
+from openrl.transport.bus import now_iso
 
 router = APIRouter(prefix="/api/v1")
 

@@ -14,10 +14,10 @@ labelled by owner id, never by key). It reads the JetStream queue depths at scra
 A worker kind is a durable JetStream consumer (``trainer-<shard>``, ``sampler``); its
 ``state`` says whether someone is pulling (``polling``), requests run (``busy``), work
 waits with nobody pulling (``backlog``: no live worker) or nothing happens (``idle``).
-See :func:`openrl.metrics.queue_status`. ``device`` / ``dtype`` / ``backend`` (e.g.
+See :func:`openrl.observe.metrics.queue_status`. ``device`` / ``dtype`` / ``backend`` (e.g.
 ``cuda`` / ``bfloat16`` / ``vllm``; ``backend`` is ``pending`` until the first model load)
 come from the newest live record a JetStream worker of that function and shard keeps in
-the meta bucket (:class:`openrl.worker.WorkerPresence`); None when no live worker wrote one.
+the meta bucket (:class:`openrl.transport.worker.WorkerPresence`); None when no live worker wrote one.
 
 :func:`install` adds the request metrics / trace middleware and these routes to the app.
 """
@@ -31,8 +31,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from functions.gateway.deps import gw, owner
-from openrl import metrics
-from openrl.bus import now_iso
+from openrl.observe import metrics
+from openrl.transport.bus import now_iso
 
 router = APIRouter()
 log = logging.getLogger("openrl.gateway.status")
@@ -52,7 +52,7 @@ async def prometheus_metrics(request: Request) -> Response:
 async def build_status(bus) -> dict:
     """The answer of ``GET /api/v1/status`` (see the module doc for the shape), read from
     JetStream (consumers, streams) and the worker records of the meta bucket."""
-    from openrl.worker import function_of_consumer, worker_records
+    from openrl.transport.worker import function_of_consumer, worker_records
 
     streams = await metrics.refresh_queue_gauges(bus)
     try:
@@ -84,7 +84,7 @@ async def status(request: Request) -> dict:
 class ObserveMiddleware:
     """Pure ASGI middleware: per-request metrics (route template, method, status) and the
     method / path on every log record of the request. (The HTTP server trace span comes from
-    FastAPI's built-in OpenTelemetry support, which uses the provider :mod:`openrl.tracing`
+    FastAPI's built-in OpenTelemetry support, which uses the provider :mod:`openrl.observe.tracing`
     installs.)"""
 
     def __init__(self, app):
@@ -93,7 +93,7 @@ class ObserveMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        from openrl import logs
+        from openrl.observe import logs
 
         method = scope.get("method", "GET")
         status = {"code": 500}

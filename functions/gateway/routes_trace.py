@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse
 
 from functions.gateway.deps import gw, owner
 from functions.gateway.routes_download import _forbidden, _public_base, _secret, sign, url_ttl_s
-from openrl.bus import FUTURES_BUCKET, Bus, FutureRecord, kv_key_decode
+from openrl.transport.bus import FUTURES_BUCKET, Bus, FutureRecord, kv_key_decode
 from openrl.errors import NotFound
 
 router = APIRouter()

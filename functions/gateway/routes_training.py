@@ -11,8 +11,9 @@ from fastapi import APIRouter, Request
 
 from functions.gateway.context import BodyTooLarge, require
 from functions.gateway.deps import gw, owner, parse
-from openrl import proto, wire
-from openrl.bus import TRAIN_STREAM, now_iso
+from openrl.edge import proto
+from openrl.edge import wire
+from openrl.transport.bus import TRAIN_STREAM, now_iso
 from openrl.errors import UserError
 from openrl.storage import TinkerPath
 

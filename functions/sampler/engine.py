@@ -14,7 +14,7 @@ continuous batching).
 
 Numerics contract (all backends): every logprob returned (sampled tokens, prompt tokens,
 top-k) is ``log_softmax`` of the model's raw logits in float32, at temperature 1 and with no
-top-k/top-p filtering, i.e. the same numbers the trainer's ``openrl.numerics.target_logprobs``
+top-k/top-p filtering, i.e. the same numbers the trainer's ``openrl.model.numerics.target_logprobs``
 gives for the same tokens. Temperature, top-k and top-p change only *which* token is drawn.
 
 Adapters are keyed by an immutable snapshot key (the ``tinker://`` sampler-weights path): a
@@ -313,7 +313,7 @@ class SamplerEngine:
         Raises:
             UserError: the directory is not a usable PEFT adapter for this base model.
         """
-        from openrl import metrics
+        from openrl.observe import metrics
 
         if key in self._adapters:
             self._adapters.move_to_end(key)

@@ -16,9 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from openrl import events, metrics, proto
+from openrl.contract import events
+
+from openrl.observe import metrics
+
+from openrl.edge import proto
 from openrl.errors import UserError
-from openrl.registry import ModelRegistry
+from openrl.model.registry import ModelRegistry
 from openrl.storage import TinkerPath, open_storage
 
 SOURCE = "/openrl/sampler"
@@ -35,7 +39,7 @@ class SamplerFunction:
     async def start(self, cfg: dict) -> None:
         """cfg keys (env fallbacks): ``storage`` (OPENRL_STORAGE), ``models_dir``, ``registry``
         (OPENRL_MODEL_REGISTRY), ``device`` (OPENRL_DEVICE: auto | cpu | cuda[:N], default auto =
-        CUDA when available, see :mod:`openrl.device`), ``backend`` (OPENRL_SAMPLER_BACKEND:
+        CUDA when available, see :mod:`openrl.model.device`), ``backend`` (OPENRL_SAMPLER_BACKEND:
         auto | hf | vllm; auto = vLLM on CUDA when installed), ``preload`` (base-model names to
         load now). Base weights load in the registry entry's dtype (bf16 on CUDA, float32 on CPU
         by default).
@@ -43,8 +47,8 @@ class SamplerFunction:
         Raises:
             ValueError: an unknown device, or a CUDA device where torch sees none.
         """
-        from openrl.device import resolve_device
-        from openrl.runtime import configure_torch_threads
+        from openrl.model.device import resolve_device
+        from openrl.model.runtime import configure_torch_threads
 
         configure_torch_threads()
         home = Path(os.environ.get("OPENRL_HOME", str(Path.home() / ".openrl")))
@@ -67,7 +71,7 @@ class SamplerFunction:
     def describe(self) -> dict:
         """What ``openrl status`` shows of this worker: device, base-weight dtype(s), backend
         ("pending" until the first base model is loaded)."""
-        from openrl.device import dtype_name
+        from openrl.model.device import dtype_name
 
         engines = list(self.engines.values())
         dtypes = sorted({dtype_name(e.dtype) for e in engines if getattr(e, "dtype", None) is not None})
@@ -84,7 +88,7 @@ class SamplerFunction:
     async def _engine(self, base_model: str):
         from functions.sampler.engine import SamplerEngine
 
-        from openrl.device import resolve_dtype
+        from openrl.model.device import resolve_dtype
 
         entry = self.registry.resolve(base_model)
         key = str(entry.path)

@@ -26,7 +26,7 @@ Sampling: per row, ``temperature == 0`` is argmax; otherwise logits / temperatur
 top-k, then top-p (nucleus over the sorted, top-k-filtered distribution), then one uniform
 draw from the row's own ``torch.Generator`` (seeded from ``(job seed, sample index)``) is
 inverted through the CDF. Logprobs are always those of the raw distribution:
-``logit[id] - logsumexp(logits)`` in float32 (the formula of ``openrl.numerics``).
+``logit[id] - logsumexp(logits)`` in float32 (the formula of ``openrl.model.numerics``).
 
 Threading: all model work (forwards, adapter loads/unloads) runs on one worker thread, so
 ``MultiLoRAModel``'s routing state is never shared between two forwards.
@@ -55,7 +55,7 @@ from functions.sampler.engine import (
 )
 from functions.sampler.stops import StopChecker, resolve_stop
 from openrl.errors import OpenRLError, ServerError
-from openrl.lora import MultiLoRAModel, load_peft_adapter
+from openrl.model.lora import MultiLoRAModel, load_peft_adapter
 
 log = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ from functions.sampler.engine import (
 )
 from functions.sampler.stops import resolve_stop
 from openrl.errors import ServerError, UserError
-from openrl.lora import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, UNEMBED_TARGET
+from openrl.model.lora import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, UNEMBED_TARGET
 
 log = logging.getLogger(__name__)
 

@@ -66,8 +66,8 @@ RESTORE_WAIT_ENV = "OPENRL_RESTORE_WAIT_S"
 
 
 def lora_spec(lora: dict | None):
-    """The :class:`openrl.lora.LoraSpec` of a create_model ``lora_config`` dict (defaults: rank 32, all targets)."""
-    from openrl.lora import LoraSpec
+    """The :class:`openrl.model.lora.LoraSpec` of a create_model ``lora_config`` dict (defaults: rank 32, all targets)."""
+    from openrl.model.lora import LoraSpec
 
     lora = lora or {}
     return LoraSpec(rank=int(lora.get("rank", 32)), seed=lora.get("seed"),

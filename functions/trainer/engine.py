@@ -1,7 +1,7 @@
 """The trainer engine: one frozen base model, many training runs, co-batched passes.
 
 One :class:`TrainerEngine` holds one base model (loaded with
-``AutoModelForCausalLM.from_pretrained``) wrapped in a :class:`~openrl.lora.MultiLoRAModel`,
+``AutoModelForCausalLM.from_pretrained``) wrapped in a :class:`~openrl.model.lora.MultiLoRAModel`,
 and per training run (``model_id``) a LoRA adapter plus its AdamW state.
 
 Co-batching: :meth:`TrainerEngine.forward_backward` takes forward / forward_backward
@@ -17,10 +17,10 @@ Ordering is the caller's job: pass items that may run together (for one run: req
 ``seq_id`` order, never across an ``optim_step`` or a weight load of that run).
 
 On CUDA the engine routes the decoder's pointwise chains (RMSNorm, SiLU * up, rotary)
-through fused, checked ``torch.compile`` kernels (:func:`openrl.numerics.accelerate_model`;
+through fused, checked ``torch.compile`` kernels (:func:`openrl.model.numerics.accelerate_model`;
 ``OPENRL_FUSED_KERNELS=0`` keeps eager code), LoRA deltas of several runs go through grouped
-GEMMs (:data:`openrl.lora.MULTI_ADAPTER_MODE`), and the vocabulary projection computes its
-gradient in the forward (``openrl.numerics``); nothing is recomputed. CPU numerics are
+GEMMs (:data:`openrl.model.lora.MULTI_ADAPTER_MODE`), and the vocabulary projection computes its
+gradient in the forward (``openrl.model.numerics``); nothing is recomputed. CPU numerics are
 unchanged.
 
 Not thread-safe: call it from one thread (or serialise calls).
@@ -40,7 +40,7 @@ import torch
 from functions.trainer import losses
 from functions.trainer.optim import AdamConfig, RunOptimizer, step_many
 from openrl.errors import NotFound, ServerError, UserError
-from openrl.lora import (
+from openrl.model.lora import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
     LoraSpec,
@@ -48,7 +48,7 @@ from openrl.lora import (
     read_peft_adapter,
     save_peft_adapter,
 )
-from openrl.numerics import DEFAULT_CHUNK_TOKENS, accelerate_model, pad_batch, target_logprobs
+from openrl.model.numerics import DEFAULT_CHUNK_TOKENS, accelerate_model, pad_batch, target_logprobs
 
 OPTIMIZER_NAME = "optimizer.pt"
 RUN_NAME = "run.json"
@@ -130,7 +130,7 @@ class TrainerEngine:
         max_rows: most datums (rows) per micro-batch.
         max_tokens: most padded tokens (rows x longest row) per micro-batch; a single longer
             row still runs, alone.
-        chunk_tokens: tokens per vocabulary-projection chunk (see ``openrl.numerics``).
+        chunk_tokens: tokens per vocabulary-projection chunk (see ``openrl.model.numerics``).
     """
 
     def __init__(
@@ -170,7 +170,7 @@ class TrainerEngine:
         self.dtype = next(base.parameters()).dtype
         self.model = MultiLoRAModel(base)
         self.device = torch.device(device)
-        #: fused-kernel status per kernel (empty on CPU); see openrl.numerics.accelerate_model
+        #: fused-kernel status per kernel (empty on CPU); see openrl.model.numerics.accelerate_model
         self.kernels: dict[str, str] = {}
         if self.device.type == "cuda" and os.environ.get("OPENRL_FUSED_KERNELS", "1") != "0":
             self.kernels = accelerate_model(base)

@@ -21,9 +21,13 @@ import tempfile
 import threading
 from pathlib import Path
 
-from openrl import events, proto, testhooks
+from openrl import testhooks
+
+from openrl.contract import events
+
+from openrl.edge import proto
 from openrl.errors import NotFound, ServerError, UserError
-from openrl.registry import ModelRegistry
+from openrl.model.registry import ModelRegistry
 from openrl.storage import CheckpointExists, TinkerPath, build_manifest, open_storage
 
 from functions.trainer.durable import RunDurability
@@ -50,7 +54,7 @@ class TrainerFunction:
 
         cfg keys (env fallbacks): ``storage`` (OPENRL_STORAGE), ``models_dir`` (OPENRL_HOME/models),
         ``registry`` (OPENRL_MODEL_REGISTRY), ``device`` (OPENRL_DEVICE: auto | cpu | cuda[:N]; default
-        auto = CUDA when available, see :mod:`openrl.device`; base weights load in the registry
+        auto = CUDA when available, see :mod:`openrl.model.device`; base weights load in the registry
         entry's dtype, bf16 on CUDA and float32 on CPU by default), ``gpu_memory`` (OPENRL_TRAINER_GPU_MEMORY:
         the fraction of the GPU's memory this process may allocate, for a GPU shared with a sampler;
         unset = all), ``pack_max_delay_s`` (OPENRL_PACK_MAX_DELAY_S: the longest a ready pass waits
@@ -64,8 +68,8 @@ class TrainerFunction:
             ValueError: a flush / restore setting that is not a number >= 0, an unknown device, or
                 a GPU memory fraction outside (0, 1].
         """
-        from openrl.device import resolve_device
-        from openrl.runtime import configure_torch_threads
+        from openrl.model.device import resolve_device
+        from openrl.model.runtime import configure_torch_threads
 
         configure_torch_threads()
         home = Path(os.environ.get("OPENRL_HOME", str(Path.home() / ".openrl")))
@@ -126,7 +130,7 @@ class TrainerFunction:
 
     def describe(self) -> dict:
         """What ``openrl status`` shows of this worker: device, base-weight dtype(s), backend."""
-        from openrl.device import dtype_name
+        from openrl.model.device import dtype_name
 
         dtypes = sorted({dtype_name(e.dtype) for e in self.engines.values()})
         out = {"device": self.device, "dtype": ",".join(dtypes) if dtypes else "pending", "backend": "torch"}
@@ -147,7 +151,7 @@ class TrainerFunction:
         """Load (once) the engine of a base model; runs in worker threads, so concurrent first
         requests wait for one load (two at once raced in transformers' lazy imports)."""
         from functions.trainer.engine import TrainerEngine
-        from openrl.device import resolve_dtype
+        from openrl.model.device import resolve_dtype
 
         entry = self.registry.resolve(base_model)
         key = str(entry.path)
@@ -235,7 +239,7 @@ class TrainerFunction:
         return result
 
     async def _create_locked(self, model_id: str, data: dict) -> dict:
-        from openrl.lora import LoraSpec
+        from openrl.model.lora import LoraSpec
 
         lora = data.get("lora_config") or {}
         key = await asyncio.to_thread(self._engine_for, data["base_model"])
@@ -289,7 +293,7 @@ class TrainerFunction:
 
     def _account(self, items: list[Pending], seconds: float) -> None:
         """Usage metrics of one scheduler pass: tokens per op and device seconds per owner."""
-        from openrl import metrics
+        from openrl.observe import metrics
 
         work = [(self._owners.get(p.model_id), p.op,
                  sum(len(d.tokens) for d in p.payload.data) if p.op in ("forward", "forward_backward") else 0)

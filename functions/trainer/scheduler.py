@@ -33,7 +33,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from openrl import metrics
+from openrl.observe import metrics
 from openrl.errors import UserError
 
 PACKABLE = ("forward", "forward_backward")

@@ -1,0 +1,1 @@
+"""The event contract: CloudEvent types, payloads, records and topology."""

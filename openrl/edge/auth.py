@@ -1,0 +1,233 @@
+"""API keys: who may call the gateway, and which owner id each caller gets.
+
+The gateway is configured with a set of keys; every ``/api/v1`` route (except
+``/api/v1/healthz``, for probes) needs one of them in the ``X-API-Key`` header, as the
+``tinker`` SDK sends it. ``/api/v1/client/config`` is protected too: the SDK sends the key
+there first, so a wrong key fails at client construction with ``AuthenticationError``
+instead of at the first call. (``/metrics`` and the signed ``/download/*`` URLs live outside
+``/api/v1`` and carry no key.) A missing or wrong key gets 401 and
+``{"detail": ..., "category": "user", "field": "X-API-Key"}``. Keys are held and compared only as sha256 digests (``hmac.compare_digest``), so
+neither the process memory nor a key file needs the plain key (see ``sha256:`` below).
+
+Sources (their union is used):
+
+* ``OPENRL_API_KEYS``: comma-separated entries;
+* ``OPENRL_API_KEYS_FILE``: a file (e.g. a mounted Kubernetes Secret), one entry a line;
+  blank lines and lines starting with ``#`` are ignored.
+
+An entry is ``[admin] [NAME:] KEY``:
+
+    tml-3f...                       a user key
+    alice: tml-9a...                a user key named "alice" (the name is only for logs)
+    admin tml-c2...                 an admin key: listings with ``access_scope=all`` (or the
+                                    SDK's ``accessible``) show every key's objects
+    admin ops: sha256:5e8f...       the same, given as the sha256 hex digest of the key
+
+A key must start with ``tml-`` (the SDK refuses to send anything else, JWTs aside).
+
+Owner ids: every object a caller creates carries ``owner = sha256(key)[:16]`` (hex); another
+key's objects answer 404 and are left out of listings (invariant 6).
+
+No keys configured: :func:`load_keys` raises :class:`AuthConfigError` (the gateway refuses to
+start) unless ``OPENRL_INSECURE_ANY_KEY=1``, which accepts any ``tml-`` key, each still its own
+owner, and warns loudly at start and in every ``create_session`` answer. The embedded stack
+(``openrl serve`` / ``openrl run``) always configures its generated ``<state>/api_key``.
+
+Internal sinks: ``/events/*`` (result CloudEvents pushed by Knative Eventing or the local
+dispatcher) are not for API keys. With ``OPENRL_INTERNAL_TOKEN`` set they need it in the
+``X-OpenRL-Internal-Token`` header (or a ``?token=`` query parameter, for Trigger URIs that
+cannot carry headers); without it they are open and must only be reachable cluster-locally.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("openrl.edge.auth")
+
+KEY_PREFIX = "tml-"
+HEADER = "X-API-Key"
+INTERNAL_HEADER = "X-OpenRL-Internal-Token"
+
+
+class AuthConfigError(ValueError):
+    """The key configuration is unusable (no keys, a malformed entry, an unreadable file)."""
+
+
+class AuthError(Exception):
+    """A request without a valid key. ``status`` is 401; ``message`` names the header."""
+
+    status = 401
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+def digest(key: str) -> bytes:
+    """sha256 digest (32 bytes) of an API key."""
+    return hashlib.sha256(key.encode()).digest()
+
+
+def owner_of_digest(d: bytes) -> str:
+    """Owner id of a key from its digest: the first 16 hex characters of sha256(key)."""
+    return d.hex()[:16]
+
+
+def owner_of(key: str | None) -> str:
+    """Owner id of an API key: the first 16 hex characters of sha256(key)."""
+    return owner_of_digest(digest(key or ""))
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The identity behind a request's key.
+
+    owner: owner id stamped on every object the caller creates.
+    admin: may list every owner's objects (``access_scope=all``).
+    name: label from the key entry (logs only; may be empty).
+    """
+
+    owner: str
+    admin: bool = False
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class KeyEntry:
+    digest: bytes
+    admin: bool
+    name: str
+
+
+def parse_entry(text: str, where: str) -> KeyEntry:
+    """Parse one ``[admin] [NAME:] KEY`` entry (KEY may be ``sha256:<64 hex>``).
+
+    Raises:
+        AuthConfigError: empty entry, a key not starting with ``tml-``, a bad digest.
+    """
+    words = text.split()
+    if not words:
+        raise AuthConfigError(f"{where}: empty key entry")
+    admin = False
+    if words[0] == "admin" and len(words) > 1:
+        admin, words = True, words[1:]
+    name = ""
+    if len(words) > 1 and words[0].endswith(":"):
+        name, words = words[0][:-1], words[1:]
+    elif len(words) == 1 and ":" in words[0] and not words[0].startswith(("sha256:", KEY_PREFIX)):
+        name, _, rest = words[0].partition(":")  # "alice:tml-..." without a space
+        words = [rest]
+    if len(words) != 1:
+        raise AuthConfigError(f"{where}: expected '[admin] [NAME:] KEY', got {len(words)} words after the markers")
+    key = words[0]
+    if key.startswith("sha256:"):
+        hexd = key[len("sha256:"):]
+        try:
+            d = bytes.fromhex(hexd)
+        except ValueError:
+            d = b""
+        if len(d) != 32:
+            raise AuthConfigError(f"{where}: sha256: needs 64 hex characters")
+        return KeyEntry(d, admin, name)
+    if not key.startswith(KEY_PREFIX) or len(key) < len(KEY_PREFIX) + 8:
+        raise AuthConfigError(f"{where}: a key must start with {KEY_PREFIX!r} and have at least 8 more characters")
+    return KeyEntry(digest(key), admin, name)
+
+
+class KeyRing:
+    """The configured keys (as digests) and the policy for requests without keys.
+
+    Args:
+        entries: the accepted keys.
+        allow_any: accept any ``tml-`` key (development only; see the module doc).
+        internal_token: shared secret of the ``/events/*`` sinks (None: open sinks).
+    """
+
+    def __init__(self, entries: list[KeyEntry], *, allow_any: bool = False, internal_token: str | None = None):
+        self.entries = list(entries)
+        self.allow_any = allow_any
+        self._internal = digest(internal_token) if internal_token else None
+
+    @property
+    def has_internal_token(self) -> bool:
+        return self._internal is not None
+
+    def check(self, key: str | None) -> Caller:
+        """The caller behind ``key``.
+
+        Every configured digest is compared (``hmac.compare_digest``), so the time taken does
+        not depend on which entry matched.
+
+        Raises:
+            AuthError: no key, or a key that is not configured (status 401).
+        """
+        if not key:
+            raise AuthError(f"missing API key: send it in the {HEADER} header")
+        d = digest(key)
+        found: KeyEntry | None = None
+        for e in self.entries:
+            if hmac.compare_digest(d, e.digest):
+                found = e
+        if found is not None:
+            return Caller(owner_of_digest(d), found.admin, found.name)
+        if self.allow_any and key.startswith(KEY_PREFIX):
+            return Caller(owner_of_digest(d))
+        raise AuthError(f"invalid API key in the {HEADER} header")
+
+    def check_internal(self, token: str | None) -> None:
+        """Check the token of an ``/events/*`` request; a no-op when no token is configured.
+
+        Raises:
+            AuthError: the token is missing or wrong (status 401).
+        """
+        if self._internal is None:
+            return
+        if not token or not hmac.compare_digest(digest(token), self._internal):
+            raise AuthError(f"internal sink: missing or wrong {INTERNAL_HEADER} header")
+
+
+def _split_env(value: str) -> list[str]:
+    return [p.strip() for p in value.split(",") if p.strip()]
+
+
+def load_keys(env: dict[str, str] | None = None) -> KeyRing:
+    """Build the :class:`KeyRing` from ``OPENRL_API_KEYS`` / ``OPENRL_API_KEYS_FILE``,
+    ``OPENRL_INSECURE_ANY_KEY`` and ``OPENRL_INTERNAL_TOKEN`` (default: ``os.environ``).
+
+    Raises:
+        AuthConfigError: a malformed entry, an unreadable key file, or no keys at all
+            without ``OPENRL_INSECURE_ANY_KEY=1``.
+    """
+    env = os.environ if env is None else env
+    entries: list[KeyEntry] = []
+    for i, item in enumerate(_split_env(env.get("OPENRL_API_KEYS", ""))):
+        entries.append(parse_entry(item, f"OPENRL_API_KEYS entry {i + 1}"))
+    path = env.get("OPENRL_API_KEYS_FILE")
+    if path:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as exc:
+            raise AuthConfigError(f"OPENRL_API_KEYS_FILE={path}: {exc}") from None
+        for n, line in enumerate(lines, 1):
+            line = line.strip()
+            if line and not line.startswith("#"):
+                entries.append(parse_entry(line, f"{path}:{n}"))
+    allow_any = env.get("OPENRL_INSECURE_ANY_KEY", "").lower() in ("1", "true", "yes")
+    if not entries and not allow_any:
+        raise AuthConfigError(
+            "no API keys configured: set OPENRL_API_KEYS (comma-separated) or OPENRL_API_KEYS_FILE "
+            "(one key a line), or OPENRL_INSECURE_ANY_KEY=1 to accept any tml- key (development only)")
+    if allow_any:
+        log.warning("OPENRL_INSECURE_ANY_KEY=1: ANY 'tml-' API key is accepted; runs are still separated by key, "
+                    "but anyone who can reach this gateway can use it. Do not expose it.")
+    token = env.get("OPENRL_INTERNAL_TOKEN") or None
+    if token is None:
+        log.warning("OPENRL_INTERNAL_TOKEN is not set: /events/* accept unauthenticated result events; "
+                    "route them cluster-locally only")
+    return KeyRing(entries, allow_any=allow_any, internal_token=token)

