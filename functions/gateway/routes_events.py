@@ -12,7 +12,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from functions.gateway.deps import gw
-from openrl.contract import events
+from openrl.contract import events, payloads
+from openrl.contract.topology import SOURCE_GATEWAY
 from openrl.transport.bindings.deadletter import dead_seq, fail_undelivered, gave_up_message
 from openrl.transport.bindings.results import store_result
 
@@ -46,10 +47,11 @@ async def dead_letter(request: Request):
         return Response(status_code=202)
     # a worker that finished the request after all (its result landed first) keeps its answer
     g = gw(request)
-    if await fail_undelivered(g.bus, ev, gave_up_message(ev, None), source="/openrl/gateway"):
+    if await fail_undelivered(g.bus, ev, gave_up_message(ev, None), source=SOURCE_GATEWAY):
         seq = dead_seq(ev)
         if seq is not None:  # the run's later requests go on instead of waiting for the gap timeout
             model_id, seq_id, shard = seq
-            await g.submit("skip", f"{model_id}:{seq_id}:skip", model_id, {"model_id": model_id, "seq_id": seq_id},
+            await g.submit("skip", f"{model_id}:{seq_id}:skip", model_id,
+                           payloads.Skip(model_id=model_id, seq_id=seq_id).to_data(),
                            model={"model_id": model_id, "shard": int(shard)})
     return Response(status_code=202)

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from functions.gateway.context import require
 from functions.gateway.deps import gw, owner, parse
 from functions.gateway.routes_training import _owned_manifest
+from openrl.contract import payloads
 from openrl.edge import wire
 from openrl.transport.bus import SAMPLE_STREAM, now_iso
 from openrl.storage import TinkerPath
@@ -84,6 +85,6 @@ async def asample(request: Request) -> dict:
     await g.admit(SAMPLE_STREAM, rid)
     data = req.model_dump(mode="json", exclude_none=True)
     data.update(prompt_tokens=tokens, base_model=rec["base_model"], model_path=rec.get("model_path"))
-    data.pop("prompt", None)
+    data = payloads.Sample.model_validate(data).to_data()  # the wire request's fields the sampler reads
     await g.submit("sample", rid, sid, data, future_meta={"owner": rec["owner"]})
     return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(req.num_samples)]}

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 
 from functions.gateway.context import BodyTooLarge, require
 from functions.gateway.deps import gw, owner, parse
+from openrl.contract import payloads
 from openrl.edge import proto
 from openrl.edge import wire
 from openrl.transport.bus import TRAIN_STREAM, now_iso
@@ -109,7 +110,8 @@ async def create_model(request: Request) -> dict:
         {"optimizer_config": opt, "user_metadata": req.user_metadata or {}},
     )
     rid = request_id_for(rec["model_id"], 0)
-    data = {"model_id": rec["model_id"], "base_model": rec["base_model"], "lora_config": lora, "optimizer_config": opt}
+    data = payloads.CreateModel(model_id=rec["model_id"], base_model=rec["base_model"], lora_config=lora,
+                                optimizer_config=opt).to_data()
     await gw(request).submit("create_model", rid, rec["model_id"], data, model=rec, future_meta={"owner": rec["owner"]})
     return {"request_id": rid, "model_id": rec["model_id"]}
 
@@ -233,7 +235,8 @@ async def _skip(g, rec: dict, seq_id: int) -> None:
     gap timeout.
     """
     rid = f"{request_id_for(rec['model_id'], seq_id)}:skip"
-    await g.submit("skip", rid, rec["model_id"], {"model_id": rec["model_id"], "seq_id": seq_id}, model=rec)
+    await g.submit("skip", rid, rec["model_id"], payloads.Skip(model_id=rec["model_id"], seq_id=seq_id).to_data(),
+                   model=rec)
 
 
 async def _skip_head(request: Request, head: bytes, encoding: str | None) -> None:
@@ -268,12 +271,14 @@ async def _parse_training(request: Request, model):
 
 
 async def _simple(request: Request, op: str, req, data: dict) -> dict:
+    """Publish a sequenced training request: ``data`` plus the run and seq_id, as the op's
+    :mod:`openrl.contract.payloads` model."""
     g = gw(request)
     rec = await g.model(req.model_id, owner(request))
     require(req.seq_id is not None and 1 <= req.seq_id <= MAX_SEQ_ID, "seq_id", f"must be between 1 and {MAX_SEQ_ID}")
     await _refuse_if_frozen(g, rec, req.seq_id)
     rid = request_id_for(req.model_id, req.seq_id)
-    data = {"model_id": req.model_id, "seq_id": req.seq_id, **data}
+    data = payloads.PAYLOADS[op].model_validate({"model_id": req.model_id, "seq_id": req.seq_id, **data}).to_data()
     await g.admit(TRAIN_STREAM, rid)
     await g.submit(op, rid, req.model_id, data, model=rec, future_meta={"owner": rec["owner"]})
     return {"request_id": rid, "model_id": req.model_id}
@@ -376,8 +381,8 @@ async def load_weights(request: Request) -> dict:
     rec = await _new_run(request, req.session_id, req.model_seq_id, base, lora,
                          {"optimizer_config": opt, "user_metadata": req.user_metadata or {}})
     rid = request_id_for(rec["model_id"], 0)
-    data = {"model_id": rec["model_id"], "base_model": base, "lora_config": lora, "optimizer_config": opt,
-            "path": str(ckpt), "optimizer": req.optimizer, "create": True, "seq_id": 0}
+    data = payloads.LoadWeights(model_id=rec["model_id"], base_model=base, lora_config=lora, optimizer_config=opt,
+                                path=str(ckpt), optimizer=req.optimizer, create=True, seq_id=0).to_data()
     await g.submit("load_weights", rid, rec["model_id"], data, model=rec, future_meta={"owner": who})
     return {"request_id": rid, "model_id": rec["model_id"]}
 
@@ -413,7 +418,8 @@ async def unload_model(request: Request) -> dict:
     g = gw(request)
     rec = await g.model(req.model_id, owner(request))
     rid = f"{req.model_id}:unload"
-    await g.submit("unload_model", rid, req.model_id, {"model_id": req.model_id, "seq_id": None}, model=rec,
+    await g.submit("unload_model", rid, req.model_id, payloads.UnloadModel(model_id=req.model_id, seq_id=None).to_data(),
+                   model=rec,
                    future_meta={"owner": rec["owner"]})
     return {"request_id": rid, "model_id": req.model_id}
 
