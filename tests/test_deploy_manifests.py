@@ -47,9 +47,13 @@ ALL_OVERLAYS = APP_OVERLAYS + EVENTING_OVERLAYS + ["knative/shards/shard-0", "kn
 
 NAMESPACE = "openrl"
 BROKER = "openrl"
-# The event types the gateway publishes (openrl/events.py is the source of truth, so a new
-# op without a Trigger fails test_every_event_type_reaches_exactly_its_function).
-from openrl.contract.events import RESULT_TYPE, SAMPLE_OPS, TRAIN_OPS  # noqa: E402
+# The event types the gateway publishes and which function consumes each (the contract's
+# topology is the source of truth, so a new op without a Trigger fails
+# test_every_event_type_reaches_exactly_its_function).
+from openrl.contract.events import RESULT_TYPE  # noqa: E402
+from openrl.contract.topology import FUNCTION_OPS, SAMPLER, SOURCE_GATEWAY, TRAINER  # noqa: E402
+
+TRAIN_OPS, SAMPLE_OPS = FUNCTION_OPS[TRAINER], FUNCTION_OPS[SAMPLER]
 # How each function starts; the same command is the image's CMD (docker/*.Dockerfile).
 ENTRYPOINTS = {
     "gateway": ["python", "-m", "functions.gateway", "--host", "0.0.0.0", "--port", "8080"],
@@ -393,7 +397,7 @@ def test_every_event_type_reaches_exactly_its_function(overlay):
     services = ksvcs(docs)
     trigs = triggers(docs)
     n = shard_count(docs)
-    base = {"specversion": "1.0", "source": "/openrl/gateway", "id": "req-1", "subject": "run-1"}
+    base = {"specversion": "1.0", "source": SOURCE_GATEWAY, "id": "req-1", "subject": "run-1"}
 
     def target(trigger_name):
         ref = trigs[trigger_name]["spec"]["subscriber"]
@@ -709,7 +713,7 @@ def test_gke_event_sinks_need_the_internal_token():
     assert 'name      = "openrl-internal-token"' in secret and "token = random_password.events_token.result" in secret
     assert 'replace(each.value, "OPENRL_EVENTS_TOKEN", random_password.events_token.result)' in app_tf
     # the gateway accepts the token from the query (openrl/auth.py, functions/gateway/app.py)
-    assert "?token=" in (ROOT / "openrl" / "auth.py").read_text()
+    assert "?token=" in (ROOT / "openrl" / "edge" / "auth.py").read_text()
 
 
 def test_cpu_dev_images_are_local():

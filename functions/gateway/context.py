@@ -15,12 +15,12 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from openrl.contract import events
+from openrl.contract import events, topology
 
 from openrl.observe import metrics
 
 from openrl.observe import tracing
-from openrl.transport.bus import SAMPLE_STREAM, TRAIN_STREAM, Bus, FutureWaiter, sample_subject, train_subject
+from openrl.transport.bus import Bus, FutureWaiter
 from openrl.errors import NotFound, UserError
 from openrl.model.registry import ModelRegistry
 from openrl.storage import Storage
@@ -228,12 +228,10 @@ class Gateway:
             if old is None or old.state != "pending":
                 return False
         ext = {}
-        if op in events.TRAIN_OPS:
-            shard = (model or {}).get("shard", 0)
+        shard = (model or {}).get("shard", 0)
+        if topology.function_of_op(op) == topology.TRAINER:
             ext["trainershard"] = str(shard)
-            subject_nats = train_subject(shard, op)
-        else:
-            subject_nats = sample_subject(op)
+        subject_nats = topology.subject_for(op, shard)
         owner_id = (future_meta or {}).get("owner") or (model or {}).get("owner")
         if owner_id:
             ext["owner"] = owner_id  # the owner id (never the key): per-key usage metrics in the workers
@@ -251,7 +249,7 @@ class Gateway:
                 await self._post_to_sink(headers, body)
             else:
                 await self.bus.publish(subject_nats, headers, body, msg_id=request_id)
-                d = self._depth.get(TRAIN_STREAM if op in events.TRAIN_OPS else SAMPLE_STREAM)
+                d = self._depth.get(topology.stream_for(op))
                 if d is not None:
                     d[0] += 1
         except BaseException as exc:

@@ -10,13 +10,15 @@ inside :class:`functions.sampler.engine.SamplerEngine`.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 
 import numpy as np
 
-from openrl.contract import events
+from openrl.config import Settings
+from openrl.contract import events, payloads
+from openrl.contract.function import ALIVE, READY, Status
+from openrl.contract.topology import SOURCE_SAMPLER
 
 from openrl.observe import metrics
 
@@ -25,41 +27,46 @@ from openrl.errors import UserError
 from openrl.model.registry import ModelRegistry
 from openrl.storage import TinkerPath, open_storage
 
-SOURCE = "/openrl/sampler"
+SOURCE = SOURCE_SAMPLER
 
 
 class SamplerFunction:
-    """Knative Functions "instanced" shape: ``start`` / ``handle`` / ``stop`` / ``alive`` / ``ready``."""
+    """The sampler as a :class:`openrl.contract.function.Function`: ``start`` / ``handle`` /
+    ``stop`` / ``alive`` / ``ready`` (the Knative Functions "instanced" shape)."""
 
     def __init__(self):
         self.engines: dict[str, object] = {}
         self._ready = False
         self._engine_lock = asyncio.Lock()
 
-    async def start(self, cfg: dict) -> None:
-        """cfg keys (env fallbacks): ``storage`` (OPENRL_STORAGE), ``models_dir``, ``registry``
-        (OPENRL_MODEL_REGISTRY), ``device`` (OPENRL_DEVICE: auto | cpu | cuda[:N], default auto =
-        CUDA when available, see :mod:`openrl.model.device`), ``backend`` (OPENRL_SAMPLER_BACKEND:
-        auto | hf | vllm; auto = vLLM on CUDA when installed), ``preload`` (base-model names to
-        load now). Base weights load in the registry entry's dtype (bf16 on CUDA, float32 on CPU
-        by default).
+    async def start(self, cfg: Settings | dict | None = None) -> None:
+        """Open storage and the registry; load the ``preload`` base models.
+
+        Args:
+            cfg: :class:`openrl.config.Settings` (or a dict of explicit values over the
+                environment, :meth:`Settings.of`; a dict may also carry ``registry_obj``, a
+                ready :class:`ModelRegistry`). Read: ``storage_url`` (snapshots cached under
+                ``cache_dir``), ``registry_path`` / ``models_path``, ``device`` (auto | cpu |
+                cuda[:N], default auto = CUDA when available, see :mod:`openrl.model.device`),
+                ``sampler_backend`` (auto | hf | vllm; auto = vLLM on CUDA when installed),
+                ``preload`` (base-model names to load now). Base weights load in the registry
+                entry's dtype (bf16 on CUDA, float32 on CPU by default).
 
         Raises:
-            ValueError: an unknown device, or a CUDA device where torch sees none.
+            ValueError: a setting out of range, an unknown device, or a CUDA device where torch
+                sees none.
         """
         from openrl.model.device import resolve_device
         from openrl.model.runtime import configure_torch_threads
 
-        configure_torch_threads()
-        home = Path(os.environ.get("OPENRL_HOME", str(Path.home() / ".openrl")))
-        self.storage = open_storage(cfg.get("storage") or os.environ.get("OPENRL_STORAGE", (home / "storage").as_uri()),
-                                    cache_dir=home / "cache")
-        reg = cfg.get("registry") or os.environ.get("OPENRL_MODEL_REGISTRY")
-        self.registry = cfg.get("registry_obj") or ModelRegistry.load(
-            Path(reg) if reg else None, models_dir=Path(cfg.get("models_dir") or home / "models"))
-        self.device = resolve_device(cfg.get("device"))
-        self.backend = cfg.get("backend") or os.environ.get("OPENRL_SAMPLER_BACKEND", "auto")
-        for name in cfg.get("preload") or [n for n in os.environ.get("OPENRL_PRELOAD", "").split(",") if n.strip()]:
+        registry = cfg.get("registry_obj") if isinstance(cfg, dict) else None
+        cfg = Settings.of(cfg)
+        configure_torch_threads(cfg.torch_threads)
+        self.storage = open_storage(cfg.storage_url, cache_dir=cfg.cache_dir)
+        self.registry = registry or ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
+        self.device = resolve_device(cfg.device)
+        self.backend = cfg.sampler_backend
+        for name in cfg.preload:
             await self._engine(name)
         self._ready = True
 
@@ -79,11 +86,13 @@ class SamplerFunction:
         return {"device": self.device, "dtype": ",".join(dtypes) or "pending",
                 "backend": ",".join(backends) or (self.backend if self.backend != "auto" else "pending")}
 
-    def alive(self) -> bool:
-        return True
+    def alive(self) -> Status:
+        """Always ``(True, "Alive")``."""
+        return ALIVE
 
-    def ready(self) -> bool:
-        return self._ready
+    def ready(self) -> Status:
+        """``(True, "Ready")`` between the end of ``start()`` and the beginning of ``stop()``."""
+        return READY if self._ready else (False, "not ready: starting (loading base models) or stopping")
 
     async def _engine(self, base_model: str):
         from functions.sampler.engine import SamplerEngine
@@ -109,35 +118,33 @@ class SamplerFunction:
         """
         from functions.sampler.engine import SampleJob
 
-        d = events.data_json(event)
-        engine = await self._engine(d["base_model"])
+        d = payloads.Sample.parse(events.data_json(event))
+        engine = await self._engine(d.base_model)
         adapter = None
-        if d.get("model_path"):
-            ckpt = TinkerPath.parse(d["model_path"], field="model_path")
+        if d.model_path:
+            ckpt = TinkerPath.parse(d.model_path, field="model_path")
             local = await asyncio.to_thread(self.storage.get_dir, ckpt)
             adapter = str(ckpt)
             await engine.ensure_adapter(adapter, local)
-        sp = d.get("sampling_params") or {}
-        stop = sp.get("stop")
-        if isinstance(stop, str):
-            stop = [stop]
-        tpl = d.get("target_prompt_logprobs")
+        sp = d.sampling_params
+        stop = [sp.stop] if isinstance(sp.stop, str) else sp.stop
+        tpl = d.target_prompt_logprobs
         job = SampleJob(
-            prompt=list(d["prompt_tokens"]),
-            num_samples=int(d.get("num_samples", 1)),
-            max_tokens=sp.get("max_tokens"),
-            temperature=float(sp.get("temperature", 1.0)),
-            top_p=float(sp.get("top_p", 1.0)),
-            top_k=int(sp.get("top_k", -1)),
-            seed=sp.get("seed"),
+            prompt=list(d.prompt_tokens),
+            num_samples=d.num_samples,
+            max_tokens=sp.max_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            seed=sp.seed,
             stop=stop,
-            prompt_logprobs=bool(d.get("prompt_logprobs")),
-            topk_prompt_logprobs=int(d.get("topk_prompt_logprobs") or 0),
-            topk_sample_logprobs=int(d.get("topk_sample_logprobs") or 0),
-            prompt_logprobs_last_n=d.get("prompt_logprobs_last_n"),
+            prompt_logprobs=d.prompt_logprobs,
+            topk_prompt_logprobs=d.topk_prompt_logprobs,
+            topk_sample_logprobs=d.topk_sample_logprobs,
+            prompt_logprobs_last_n=d.prompt_logprobs_last_n,
             adapter=adapter,
             target_prompt_ids=target_rows(tpl) if tpl else None,
-            prompt_alt_tokens_k=int(d.get("prompt_alt_tokens_k") or 0),
+            prompt_alt_tokens_k=d.prompt_alt_tokens_k,
         )
         t0 = time.perf_counter()
         res = await engine.sample(job)

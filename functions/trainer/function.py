@@ -15,7 +15,6 @@ run restores it from storage on the run's first request.
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import tempfile
 import threading
@@ -23,7 +22,11 @@ from pathlib import Path
 
 from openrl import testhooks
 
-from openrl.contract import events
+from openrl.config import Settings
+from openrl.contract import events, payloads
+from openrl.contract.function import ALIVE, READY, Status
+from openrl.contract.ops import Op
+from openrl.contract.topology import SOURCE_TRAINER
 
 from openrl.edge import proto
 from openrl.errors import NotFound, ServerError, UserError
@@ -31,67 +34,72 @@ from openrl.model.registry import ModelRegistry
 from openrl.storage import CheckpointExists, TinkerPath, build_manifest, open_storage
 
 from functions.trainer.durable import RunDurability
+from functions.trainer.runs import RunTable
 from functions.trainer.scheduler import PackPolicy, Pending, Scheduler
 
-SOURCE = "/openrl/trainer"
+SOURCE = SOURCE_TRAINER
 
 
 class TrainerFunction:
-    """Knative Functions "instanced" shape: ``start`` / ``handle`` / ``stop`` / ``alive`` / ``ready``."""
+    """The trainer as a :class:`openrl.contract.function.Function`: ``start`` / ``handle`` /
+    ``stop`` / ``alive`` / ``ready`` (the Knative Functions "instanced" shape).
+
+    Attributes:
+        engines: base-model directory -> ``TrainerEngine``.
+        runs: the :class:`~functions.trainer.runs.RunTable` of the runs held here (given to
+            the scheduler's grouping and to :class:`RunDurability`).
+    """
 
     def __init__(self):
         self.engines: dict[str, object] = {}  # base-model dir -> TrainerEngine
-        self.run_base: dict[str, str] = {}  # model_id -> base-model dir
-        self.run_meta: dict[str, dict] = {}  # model_id -> {base_model, lora_config, optimizer_config}
+        self.runs = RunTable()  # model_id -> base-model dir, metadata, owner
         self._ready = False
         self._stopping = False
         self._lock = asyncio.Lock()  # one engine computation at a time (one device)
-        self._owners: dict[str, str] = {}  # model_id -> owner id (from the events' ``owner`` extension)
         self.durable: RunDurability | None = None
 
-    async def start(self, cfg: dict) -> None:
-        """Read config, open storage, start the scheduler.
+    async def start(self, cfg: Settings | dict | None = None) -> None:
+        """Open storage and the registry, start the scheduler and the run-state flusher,
+        load the ``preload`` base models.
 
-        cfg keys (env fallbacks): ``storage`` (OPENRL_STORAGE), ``models_dir`` (OPENRL_HOME/models),
-        ``registry`` (OPENRL_MODEL_REGISTRY), ``device`` (OPENRL_DEVICE: auto | cpu | cuda[:N]; default
-        auto = CUDA when available, see :mod:`openrl.model.device`; base weights load in the registry
-        entry's dtype, bf16 on CUDA and float32 on CPU by default), ``gpu_memory`` (OPENRL_TRAINER_GPU_MEMORY:
-        the fraction of the GPU's memory this process may allocate, for a GPU shared with a sampler;
-        unset = all), ``pack_max_delay_s`` (OPENRL_PACK_MAX_DELAY_S: the longest a ready pass waits
-        for other active runs, seconds; 0 = never wait, see :class:`PackPolicy`),
-        ``gap_timeout_s`` (OPENRL_SEQ_GAP_TIMEOUT_S, seconds), ``max_seq_ahead`` (OPENRL_MAX_SEQ_AHEAD:
-        seq_ids more than this past a run's next one fail with category "user"),
-        ``preload`` (OPENRL_PRELOAD, comma-separated: base-model names to load before taking requests),
-        ``flush_interval_s`` (OPENRL_FLUSH_INTERVAL_S), ``restore_wait_s`` (OPENRL_RESTORE_WAIT_S).
+        Args:
+            cfg: :class:`openrl.config.Settings` (or a dict of explicit values over the
+                environment, :meth:`Settings.of`; a dict may also carry ``registry_obj``, a
+                ready :class:`ModelRegistry`). Read: ``storage_url``, ``registry_path`` /
+                ``models_path``, ``device`` (auto | cpu | cuda[:N], see :mod:`openrl.model.device`;
+                base weights load in the registry entry's dtype, bf16 on CUDA and float32 on CPU
+                by default), ``trainer_gpu_memory`` (the fraction of the GPU's memory this
+                process may allocate, for a GPU shared with a sampler; None = all),
+                ``pack_max_delay_s`` (see :class:`PackPolicy`), ``seq_gap_timeout_s``,
+                ``max_seq_ahead`` (seq_ids more than this past a run's next one fail with
+                category "user"), ``preload``, ``flush_interval_s``, ``restore_wait_s``.
 
         Raises:
-            ValueError: a flush / restore setting that is not a number >= 0, an unknown device, or
+            ValueError: a setting out of range (pydantic.ValidationError), an unknown device, or
                 a GPU memory fraction outside (0, 1].
         """
         from openrl.model.device import resolve_device
         from openrl.model.runtime import configure_torch_threads
 
-        configure_torch_threads()
-        home = Path(os.environ.get("OPENRL_HOME", str(Path.home() / ".openrl")))
-        self.storage = open_storage(cfg.get("storage") or os.environ.get("OPENRL_STORAGE", (home / "storage").as_uri()))
-        reg = cfg.get("registry") or os.environ.get("OPENRL_MODEL_REGISTRY")
-        self.registry = cfg.get("registry_obj") or ModelRegistry.load(
-            Path(reg) if reg else None, models_dir=Path(cfg.get("models_dir") or home / "models"))
-        self.device = resolve_device(cfg.get("device"))
-        self._limit_gpu_memory(cfg.get("gpu_memory") or os.environ.get("OPENRL_TRAINER_GPU_MEMORY"))
-        delay = cfg.get("pack_max_delay_s")
-        policy = PackPolicy(max_delay_s=float(delay if delay is not None else
-                                              os.environ.get("OPENRL_PACK_MAX_DELAY_S", "0.25")))
+        registry = cfg.get("registry_obj") if isinstance(cfg, dict) else None
+        cfg = Settings.of(cfg)
+        configure_torch_threads(cfg.torch_threads)
+        self.storage = open_storage(cfg.storage_url)
+        self.registry = registry or ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
+        self.device = resolve_device(cfg.device)
+        self._limit_gpu_memory(cfg.trainer_gpu_memory)
         self.scheduler = Scheduler(
-            self._run_packed, self._run_single, lambda mid: self.run_base.get(mid, ""),
-            gap_timeout_s=float(cfg.get("gap_timeout_s") or os.environ.get("OPENRL_SEQ_GAP_TIMEOUT_S", "300")),
-            max_ahead=int(cfg.get("max_seq_ahead") or os.environ.get("OPENRL_MAX_SEQ_AHEAD", "10000")),
-            on_pass=self._account, gap_error=self._gap_error, run_optims=self._run_optims, policy=policy,
+            self._run_packed, self._run_single, self.runs.group_of,
+            gap_timeout_s=cfg.seq_gap_timeout_s, max_ahead=cfg.max_seq_ahead,
+            on_pass=self._account, gap_error=self._gap_error, run_optims=self._run_optims,
+            policy=PackPolicy(max_delay_s=cfg.pack_max_delay_s),
         )
-        self.durable = RunDurability.from_cfg(self, self.storage, cfg)
+        self.durable = RunDurability(self.storage, self.runs, self.scheduler, engines=self.engines,
+                                     load_engine=self._engine_for, engine_lock=self._lock,
+                                     interval_s=cfg.flush_interval_s, restore_wait_s=cfg.restore_wait_s)
         self.scheduler.start()
         self.durable.start()
-        for name in cfg.get("preload") or [n for n in os.environ.get("OPENRL_PRELOAD", "").split(",") if n.strip()]:
+        for name in cfg.preload:
             await asyncio.to_thread(self._engine_for, name)
         self._ready = True
 
@@ -138,11 +146,16 @@ class TrainerFunction:
             out["gpu_memory"] = str(self.gpu_memory)
         return out
 
-    def alive(self) -> bool:
-        return True
+    def alive(self) -> Status:
+        """Always ``(True, "Alive")``: a trainer that answers at all is alive."""
+        return ALIVE
 
-    def ready(self) -> bool:
-        return self._ready
+    def ready(self) -> Status:
+        """``(True, "Ready")`` between the end of ``start()`` and the beginning of ``stop()``."""
+        if self._ready:
+            return READY
+        return False, ("stopping: draining and flushing run state" if self._stopping
+                       else "starting: loading base models")
 
     # ----- engines ----------------------------------------------------------------
     _engine_load_lock = threading.Lock()
@@ -162,7 +175,7 @@ class TrainerFunction:
         return key
 
     def _engine(self, model_id: str):
-        key = self.run_base.get(model_id)
+        key = self.runs.base_key(model_id)
         if key is None:
             raise NotFound("model_id", f"training run {model_id!r} is not loaded on this trainer")
         return self.engines[key]
@@ -179,20 +192,19 @@ class TrainerFunction:
         op = events.op_of(event)
         model_id = event.get_subject()
         if event.get_extension("owner"):  # the gateway's owner id of the run's API key (usage metrics)
-            self._owners[model_id] = str(event.get_extension("owner"))
-        if op == "forward_backward" or op == "forward":
+            self.runs.set_owner(model_id, str(event.get_extension("owner")))
+        if op in payloads.PROTOBUF_OPS:  # the SDK's protobuf body, decoded once here
             fb = proto.decode_forward_backward_request(events.data_bytes(event))
             result = await self._submit(model_id, fb.seq_id, op, fb)
             return None if result is _APPLIED else events.result_event(event, result, source=SOURCE)
-        data = events.data_json(event)
-        if op == "create_model" or (op == "load_weights" and data.get("create")):
-            result = await self._create(model_id, data)
-        elif op == "unload_model":
+        p = payloads.parse_payload(op, events.data_json(event))
+        if isinstance(p, payloads.CreateModel) or (isinstance(p, payloads.LoadWeights) and p.create):
+            result = await self._create(model_id, p)
+        elif op == Op.UNLOAD_MODEL:
             result = await self._unload(model_id)
         else:
-            seq_id = int(data["seq_id"])
-            result = await self._submit(model_id, seq_id, op, data)
-        if op == "skip" or result is _APPLIED:
+            result = await self._submit(model_id, p.seq_id, op, p)
+        if op == Op.SKIP or result is _APPLIED:
             return None  # skip: the gateway already answered that call with a 4xx
         return events.result_event(event, result, source=SOURCE)
 
@@ -205,7 +217,7 @@ class TrainerFunction:
         Raises:
             NotFound: the run is neither held here nor stored.
         """
-        if model_id not in self.run_base and not await self.durable.restore(model_id, seq_id):
+        if model_id not in self.runs and not await self.durable.restore(model_id, seq_id):
             if op == "skip":
                 return None
             raise NotFound("model_id", f"training run {model_id!r} is not loaded on this trainer")
@@ -218,14 +230,15 @@ class TrainerFunction:
         finally:
             self.durable.end(model_id, seq_id)
 
-    async def _create(self, model_id: str, data: dict) -> dict:
+    async def _create(self, model_id: str, p: payloads.CreateModel | payloads.LoadWeights) -> dict:
+        """A new run: ``create_model``, or create-via-load (``load_weights`` with ``create``)."""
         async with self.durable.run_lock(model_id):
-            if model_id in self.run_base or await self.durable._restore_locked(model_id, None):
+            if model_id in self.runs or await self.durable._restore_locked(model_id, None):
                 # a redelivered create: already applied (here, or by a trainer that flushed it)
-                if data.get("create"):
-                    return {"model_id": model_id, "path": data.get("path")}
+                if isinstance(p, payloads.LoadWeights):
+                    return {"model_id": model_id, "path": p.path}
                 return {"model_id": model_id, "type": "create_model"}
-            result = await self._create_locked(model_id, data)
+            result = await self._create_locked(model_id, p)
         if self.durable.interval_s > 0:
             # with periodic flushes on, a run is restorable from its creation: a trainer crash
             # before the first periodic flush then restores it at cursor 1 (and its later
@@ -238,34 +251,33 @@ class TrainerFunction:
                 logging.getLogger("openrl.trainer").exception("run state of %s not flushed at creation", model_id)
         return result
 
-    async def _create_locked(self, model_id: str, data: dict) -> dict:
-        from openrl.model.lora import LoraSpec
+    async def _create_locked(self, model_id: str, p: payloads.CreateModel | payloads.LoadWeights) -> dict:
+        from functions.trainer.durable import lora_spec
 
-        lora = data.get("lora_config") or {}
-        key = await asyncio.to_thread(self._engine_for, data["base_model"])
+        lora = p.lora_config.to_data()  # the keys the gateway sent: run metadata and manifests keep them
+        load = p if isinstance(p, payloads.LoadWeights) else None
+        key = await asyncio.to_thread(self._engine_for, p.base_model)
         engine = self.engines[key]
-        spec = LoraSpec(rank=int(lora.get("rank", 32)), seed=lora.get("seed"),
-                        train_attn=lora.get("train_attn", True), train_mlp=lora.get("train_mlp", True),
-                        train_unembed=lora.get("train_unembed", True))
+        spec = lora_spec(lora)
         async with self._lock:
-            if data.get("create") and data.get("path"):
-                ckpt = TinkerPath.parse(data["path"])
+            if load is not None and load.path:
+                ckpt = TinkerPath.parse(load.path)
                 src = await asyncio.to_thread(self.storage.get_dir, ckpt)
                 await asyncio.to_thread(engine.create_run, model_id, spec)
-                await asyncio.to_thread(engine.load_state, model_id, src, bool(data.get("optimizer")), spec)
+                await asyncio.to_thread(engine.load_state, model_id, src, load.optimizer, spec)
             else:
                 await asyncio.to_thread(engine.create_run, model_id, spec)
-        self.run_base[model_id] = key
-        self.run_meta[model_id] = {"base_model": data["base_model"], "lora_config": lora,
-                                   "optimizer_config": data.get("optimizer_config")}
+        self.runs.add(model_id, key, {"base_model": p.base_model, "lora_config": lora,
+                                      "optimizer_config": p.optimizer_config})
         self.scheduler.reset(model_id, 1)
-        if data.get("create"):
-            return {"model_id": model_id, "path": data.get("path")}
+        if load is not None:
+            return {"model_id": model_id, "path": load.path}
         return {"model_id": model_id, "type": "create_model"}
 
     async def _unload(self, model_id: str) -> dict:
         async with self.durable.run_lock(model_id):
-            key = self.run_base.pop(model_id, None)
+            info = self.runs.remove(model_id)
+            key = info.base_key if info is not None else None
             if key is not None:
                 async with self._lock:
                     await asyncio.to_thread(self.engines[key].delete_run, model_id)
@@ -295,7 +307,7 @@ class TrainerFunction:
         """Usage metrics of one scheduler pass: tokens per op and device seconds per owner."""
         from openrl.observe import metrics
 
-        work = [(self._owners.get(p.model_id), p.op,
+        work = [(self.runs.owner(p.model_id), p.op,
                  sum(len(d.tokens) for d in p.payload.data) if p.op in ("forward", "forward_backward") else 0)
                 for p in items]
         metrics.record_trained(work, seconds)
@@ -328,7 +340,7 @@ class TrainerFunction:
     async def _run_optims(self, items: list[Pending]) -> list:
         """The ready optim_steps of several runs of one base model, as one fused AdamW update."""
         engine = self._engine(items[0].model_id)
-        steps = [(p.model_id, p.payload.get("adam_params") or {}) for p in items]
+        steps = [(p.model_id, dict(p.payload.adam_params)) for p in items]
         async with self._lock:
             results = await asyncio.to_thread(engine.optim_step_many, steps)
         return [r if isinstance(r, BaseException) else {"metrics": r or {}} for r in results]
@@ -340,21 +352,23 @@ class TrainerFunction:
         d = p.payload
         if p.op == "optim_step":
             async with self._lock:
-                metrics = await asyncio.to_thread(engine.optim_step, p.model_id, d.get("adam_params") or {})
+                metrics = await asyncio.to_thread(engine.optim_step, p.model_id, dict(d.adam_params))
             return {"metrics": metrics or {}}
         if p.op in ("save_weights", "save_weights_for_sampler", "save_weights_external"):
             # external_weights: the PEFT adapter only, like a sampler snapshot (downloadable)
             return await self._save(engine, p.model_id, d, sampler=(p.op != "save_weights"))
         if p.op == "load_weights":
-            ckpt = TinkerPath.parse(d["path"])
+            ckpt = TinkerPath.parse(d.path)
             src = await asyncio.to_thread(self.storage.get_dir, ckpt)
             async with self._lock:
-                await asyncio.to_thread(engine.load_state, p.model_id, src, bool(d.get("optimizer")))
+                await asyncio.to_thread(engine.load_state, p.model_id, src, d.optimizer)
             return {"path": str(ckpt), "model_id": p.model_id}
         raise UserError("type", f"unsupported training operation {p.op!r}")
 
-    async def _save(self, engine, model_id: str, d: dict, *, sampler: bool) -> dict:
-        path = TinkerPath.parse(d["path"])
+    async def _save(self, engine, model_id: str, d: payloads.SaveWeights, *, sampler: bool) -> dict:
+        """Write a checkpoint of the run (sampler snapshot when ``sampler``); the future's result
+        ``{path[, size_bytes][, sampling_session_id]}``."""
+        path = TinkerPath.parse(d.path)
         tmp = Path(tempfile.mkdtemp(prefix="openrl-save-", dir=self.storage.scratch_dir()))
         try:
             async with self._lock:
@@ -365,27 +379,27 @@ class TrainerFunction:
             if sampler:
                 await asyncio.to_thread(engine.write_sampler_snapshot, snapshot, tmp)
                 del snapshot
-            meta = self.run_meta.get(model_id, {})
-            manifest = build_manifest(tmp, path, owner=d.get("owner", ""), ttl_seconds=d.get("ttl_seconds"),
+            meta = self.runs.meta(model_id)
+            manifest = build_manifest(tmp, path, owner=d.owner, ttl_seconds=d.ttl_seconds,
                                       extra={"base_model": meta.get("base_model"),
                                              "lora_config": meta.get("lora_config"),
                                              "optimizer_config": meta.get("optimizer_config"),
-                                             "seq_id": d.get("seq_id")})
+                                             "seq_id": d.seq_id})
             try:
                 await asyncio.to_thread(self.storage.put_dir, path, tmp, manifest)
             except CheckpointExists:
                 # a redelivered save (e.g. cut by a restart before its cursor moved) finds its own checkpoint
                 old = await asyncio.to_thread(self.storage.manifest, path)
-                if not (old and old.get("training_run_id") == model_id and old.get("seq_id") == d.get("seq_id")
-                        and d.get("seq_id") is not None):
+                if not (old and old.get("training_run_id") == model_id and old.get("seq_id") == d.seq_id
+                        and d.seq_id is not None):
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         out = {"path": str(path)}
         if path.kind == "external_weights":
             out["size_bytes"] = int(manifest.get("size_bytes") or 0)
-        if d.get("sampling_session_id"):
-            out["sampling_session_id"] = d["sampling_session_id"]
+        if d.sampling_session_id:
+            out["sampling_session_id"] = d.sampling_session_id
         return out
 
 

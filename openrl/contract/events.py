@@ -23,23 +23,11 @@ from cloudevents.core.v1.event import CloudEvent
 
 from openrl.errors import OpenRLError
 
-SOURCE_GATEWAY = "/openrl/gateway"
+from openrl.contract.ops import SAMPLE_OPS, TRAIN_OPS, Op  # noqa: F401 - re-exported: the op names
+from openrl.contract.topology import SOURCE_GATEWAY  # noqa: F401 - re-exported
+
 JSON = "application/json"
 PROTOBUF = "application/x-protobuf"
-
-TRAIN_OPS = (
-    "create_model",
-    "forward_backward",
-    "forward",
-    "optim_step",
-    "save_weights",
-    "save_weights_for_sampler",
-    "save_weights_external",
-    "load_weights",
-    "unload_model",
-    "skip",  # a seq_id the gateway rejected at the edge: the trainer moves past it
-)
-SAMPLE_OPS = ("sample",)
 RESULT_TYPE = "dev.openrl.result.v1"
 
 
@@ -49,7 +37,8 @@ def event_type(op: str) -> str:
 
 
 def op_of(event: BaseCloudEvent) -> str:
-    """The Tinker operation of a request event (inverse of :func:`event_type`).
+    """The Tinker operation of a request event (inverse of :func:`event_type`); an
+    :class:`~openrl.contract.ops.Op` when it is one of ours, else the type's op part as a str.
 
     Raises:
         ValueError: the type is not ``dev.openrl.<op>.v1``.
@@ -57,7 +46,10 @@ def op_of(event: BaseCloudEvent) -> str:
     parts = event.get_type().split(".")
     if len(parts) != 4 or parts[:2] != ["dev", "openrl"] or parts[3] != "v1":
         raise ValueError(f"not an openrl request type: {event.get_type()!r}")
-    return parts[2]
+    try:
+        return Op(parts[2])
+    except ValueError:
+        return parts[2]
 
 
 def request_event(

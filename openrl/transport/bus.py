@@ -1,14 +1,7 @@
 """NATS JetStream: the streams requests travel on and the KV buckets results live in.
 
-Layout (all created idempotently by :meth:`Bus.connect`):
-
-| name | kind | holds |
-|---|---|---|
-| ``OPENRL_TRAIN`` | stream, work-queue retention, subjects ``openrl.train.<shard>.<op>`` | trainer request events |
-| ``OPENRL_SAMPLE`` | stream, work-queue retention, subjects ``openrl.sample.<op>`` | sampler request events |
-| ``OPENRL_FUTURES`` | KV bucket | request id → future record (pending marker, then the result event) |
-| ``OPENRL_META`` | KV bucket | sessions, training runs, sampling sessions, checkpoints index |
-
+The layout (stream and bucket names, subjects) is :mod:`openrl.contract.topology`'s; all of it
+is created idempotently by :meth:`Bus.connect`. The records are :mod:`openrl.contract.records`'.
 Any gateway replica can answer any future: results live only in the KV bucket.
 """
 
@@ -19,27 +12,26 @@ import base64
 import json
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import nats
 from nats.js import api
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
-TRAIN_STREAM = "OPENRL_TRAIN"
-SAMPLE_STREAM = "OPENRL_SAMPLE"
-FUTURES_BUCKET = "OPENRL_FUTURES"
-META_BUCKET = "OPENRL_META"
+from openrl.contract.records import FutureRecord
+from openrl.contract.topology import (
+    FUTURES_BUCKET,
+    META_BUCKET,
+    SAMPLE_STREAM,
+    STREAMS,
+    TRAIN_STREAM,
+    sample_subject,
+    train_subject,
+)
 
-
-def train_subject(shard: int | str, op: str) -> str:
-    """NATS subject of a trainer request for ``op`` on trainer shard ``shard``."""
-    return f"openrl.train.{shard}.{op}"
-
-
-def sample_subject(op: str = "sample") -> str:
-    """NATS subject of a sampler request."""
-    return f"openrl.sample.{op}"
+# re-exported for the transports and tests that import them from here
+__all__ = ["Bus", "FutureWaiter", "FutureRecord", "kv_key", "kv_key_decode", "now_iso", "dumps",
+           "TRAIN_STREAM", "SAMPLE_STREAM", "FUTURES_BUCKET", "META_BUCKET", "train_subject", "sample_subject"]
 
 
 def kv_key(*parts: str) -> str:
@@ -58,33 +50,6 @@ def kv_key_decode(key: str) -> list[str]:
         p += "=" * (-len(p) % 8)
         out.append(base64.b32decode(p).decode())
     return out
-
-
-@dataclass
-class FutureRecord:
-    """What ``OPENRL_FUTURES`` holds for one request id.
-
-    ``state`` is ``pending`` until a function answers, then ``ok`` or ``error``.
-    ``content_type`` and ``body`` are the result event's data (protobuf or JSON bytes).
-    """
-
-    state: str
-    op: str = ""
-    content_type: str = "application/json"
-    body: bytes = b""
-    meta: dict | None = None
-
-    def encode(self) -> bytes:
-        head = json.dumps(
-            {"state": self.state, "op": self.op, "content_type": self.content_type, "meta": self.meta or {}}
-        ).encode()
-        return head + b"\n" + self.body
-
-    @classmethod
-    def decode(cls, raw: bytes) -> "FutureRecord":
-        head, _, body = raw.partition(b"\n")
-        h = json.loads(head)
-        return cls(state=h["state"], op=h.get("op", ""), content_type=h["content_type"], body=body, meta=h.get("meta"))
 
 
 class Bus:
@@ -120,7 +85,7 @@ class Bus:
         """
         self.nc = await nats.connect(self.url, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         self.js = self.nc.jetstream(timeout=10)
-        for name, subjects in ((TRAIN_STREAM, ["openrl.train.>"]), (SAMPLE_STREAM, ["openrl.sample.>"])):
+        for name, subjects in STREAMS.items():
             cfg = api.StreamConfig(
                 name=name,
                 subjects=subjects,
@@ -393,4 +358,5 @@ def now_iso() -> str:
 
 
 def dumps(obj: Any) -> bytes:
+    """``obj`` as JSON bytes."""
     return json.dumps(obj).encode()

@@ -31,10 +31,13 @@ import signal
 import socket
 import time
 
+from openrl.config import Settings
+from openrl.contract.function import probe
 from openrl.observe import metrics
 from openrl.transport.bindings import load_function
 from openrl.transport.bindings.jetstream import JetStreamWorker
-from openrl.transport.bus import SAMPLE_STREAM, TRAIN_STREAM, Bus, now_iso
+from openrl.contract import topology
+from openrl.transport.bus import Bus, now_iso
 
 log = logging.getLogger("openrl.transport.worker")
 
@@ -45,14 +48,13 @@ REFRESH_S = 30.0
 
 
 def consumer_for(module: str, shard: int) -> dict:
-    """Stream, durable consumer name and subject filter of a function module."""
-    if module.endswith("trainer"):
-        return {"stream": TRAIN_STREAM, "durable": f"trainer-{shard}", "filter_subject": f"openrl.train.{shard}.>",
-                "source": "/openrl/trainer"}
-    if module.endswith("sampler"):
-        return {"stream": SAMPLE_STREAM, "durable": "sampler", "filter_subject": "openrl.sample.>",
-                "source": "/openrl/sampler"}
-    raise ValueError(f"no JetStream consumer is defined for {module!r}")
+    """Stream, durable consumer name, subject filter and result source of a function module
+    (``functions.trainer`` / ``functions.sampler``), as :func:`openrl.contract.topology.consumer` defines them.
+
+    Raises:
+        ValueError: the module serves no known function.
+    """
+    return topology.consumer(topology.function_of_module(module), shard).as_dict()
 
 
 def function_of_consumer(consumer: str) -> tuple[str, int | None]:
@@ -89,12 +91,16 @@ class WorkerPresence:
         bus: a connected :class:`openrl.transport.bus.Bus`.
         fn: the started Function (its ``describe()`` is read on every refresh).
         function / shard: what the worker serves (``"trainer"``, 0 / ``"sampler"``, None).
-        refresh_s: seconds between rewrites; default ``$OPENRL_WORKER_REFRESH_S`` or 30.
+        refresh_s: seconds between rewrites; default ``Settings().worker_refresh_s``
+            (``$OPENRL_WORKER_REFRESH_S`` or 30).
+
+    Raises:
+        ValueError: ``refresh_s`` not > 0.
     """
 
     def __init__(self, bus: Bus, fn, *, function: str, shard: int | None, refresh_s: float | None = None):
         if refresh_s is None:
-            refresh_s = float(os.environ.get("OPENRL_WORKER_REFRESH_S") or REFRESH_S)
+            refresh_s = Settings().worker_refresh_s
         if not refresh_s > 0:
             raise ValueError(f"refresh_s (OPENRL_WORKER_REFRESH_S) must be > 0 seconds, got {refresh_s}")
         self.bus, self.fn = bus, fn
@@ -179,28 +185,34 @@ async def worker_records(bus: Bus) -> dict[tuple[str, int | None], dict]:
     return out
 
 
-async def serve(module: str, nats_url: str, shard: int, cfg: dict, drain_s: float, *,
+async def serve(module: str, nats_url: str | None, shard: int, cfg: "Settings | dict | None", drain_s: float, *,
                 stop: asyncio.Event | None = None, refresh_s: float | None = None) -> None:
     """Start the Function of ``module``, consume its JetStream work until ``stop`` is set
     (default: until SIGTERM / SIGINT), then drain, delete the worker record and stop it.
 
     Args:
         module: function module, e.g. ``functions.trainer``.
-        nats_url: NATS URL (None: ``$OPENRL_NATS_URL``).
+        nats_url: NATS URL (None: ``cfg.nats_url``, ``$OPENRL_NATS_URL``).
         shard: trainer shard served (ignored by the sampler).
-        cfg: the Function's ``start()`` config.
+        cfg: the Function's ``start()`` config (:class:`openrl.config.Settings`, or a dict of
+            explicit values over the environment).
         drain_s: seconds to let requests in flight finish on stop.
         stop: an event that ends the worker (tests); None installs signal handlers.
-        refresh_s: seconds between worker-record rewrites (default ``$OPENRL_WORKER_REFRESH_S``).
+        refresh_s: seconds between worker-record rewrites (default ``cfg.worker_refresh_s``).
     """
+    cfg = Settings.of(cfg)
     fn = load_function(module)
     await fn.start(cfg)
+    ok, reason = probe(fn.ready())
+    if not ok:  # a Function that finishes loading later still gets its work (JetStream holds it until then)
+        log.warning("%s is not ready after start(): %s", module, reason)
     consumer = consumer_for(module, shard)
     function, shard_id = function_of_consumer(consumer["durable"])
     metrics.set_function_info(function, describe(fn))
-    bus = await Bus(nats_url).connect()
+    bus = await Bus(nats_url or cfg.nats_url).connect()
     worker = JetStreamWorker(fn, bus, **consumer)
-    presence = WorkerPresence(bus, fn, function=function, shard=shard_id, refresh_s=refresh_s)
+    presence = WorkerPresence(bus, fn, function=function, shard=shard_id,
+                              refresh_s=refresh_s if refresh_s is not None else cfg.worker_refresh_s)
     await presence.start()
     if stop is None:
         stop = asyncio.Event()
@@ -222,7 +234,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("module", help="function module, e.g. functions.trainer")
     ap.add_argument("--nats", default=None, help="NATS URL (default $OPENRL_NATS_URL)")
     ap.add_argument("--shard", type=int, default=0, help="trainer shard served by this process")
-    ap.add_argument("--config", default="{}", help="JSON config passed to the Function's start()")
+    ap.add_argument("--config", default="{}",
+                    help="JSON object of settings for the Function's start(), over the OPENRL_* environment "
+                         "(field names of openrl.config.Settings)")
     ap.add_argument("--drain-s", type=float, default=30.0)
     ap.add_argument("--metrics-port", type=int, default=None,
                     help="serve Prometheus /metrics on this port (default $OPENRL_METRICS_PORT; 0 = off)")
@@ -230,14 +244,16 @@ def main(argv: list[str] | None = None) -> None:
     from openrl.observe import logs
     from openrl.observe import tracing
 
+    cfg = Settings.of(json.loads(args.config), nats_url=args.nats)  # the one settings object of this process
     name = args.module.split(".")[-1]
-    logs.setup(name)
+    logs.setup(name, level=cfg.log_level, fmt=cfg.log_format)
     tracing.setup(f"openrl-{name}")
-    port = metrics.serve(args.metrics_port)
+    port = metrics.serve(args.metrics_port if args.metrics_port is not None else cfg.metrics_port,
+                         host=cfg.metrics_host)
     if port:
         log.info("metrics on :%d/metrics", port)
     try:
-        asyncio.run(serve(args.module, args.nats, args.shard, json.loads(args.config), args.drain_s))
+        asyncio.run(serve(args.module, None, args.shard, cfg, args.drain_s))
     finally:
         tracing.shutdown()
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 import json
 import logging
 
-from openrl.contract import events
+from openrl.contract import events, payloads
+from openrl.contract.ops import SEQUENCED_OPS
+from openrl.contract.topology import train_subject
 from openrl.transport.bindings.results import store_result
-from openrl.transport.bus import Bus, train_subject
+from openrl.transport.bus import Bus
 
 log = logging.getLogger("openrl.deadletter")
 
@@ -57,7 +59,7 @@ def dead_seq(event) -> tuple[str, int, str] | None:
         op = events.op_of(event)
     except ValueError:
         return None
-    if op not in events.TRAIN_OPS or op in ("create_model", "unload_model", "skip"):
+    if op not in SEQUENCED_OPS:
         return None
     model_id, _, seq = str(event.get_id()).rpartition(":")  # request id = "<model_id>:<seq_id>"
     if not seq.isdigit() or int(seq) == 0 or model_id != event.get_subject():
@@ -68,7 +70,7 @@ def dead_seq(event) -> tuple[str, int, str] | None:
 async def publish_skip(bus: Bus, model_id: str, seq_id: int, shard: str) -> None:
     """Publish a ``skip`` request for ``seq_id`` of ``model_id`` to trainer ``shard``."""
     rid = f"{model_id}:{seq_id}:skip"
-    data = {"model_id": model_id, "seq_id": seq_id}
+    data = payloads.Skip(model_id=model_id, seq_id=seq_id).to_data()
     ev = events.request_event("skip", rid, model_id, data, extensions={"trainershard": shard})
     await bus.future_create(rid, "skip")
     await bus.publish(train_subject(shard, "skip"), *events.to_headers_body(ev), msg_id=rid)

@@ -23,7 +23,7 @@ import signal
 import httpx
 from nats.errors import TimeoutError as NatsTimeout
 
-from openrl.contract import events
+from openrl.contract import events, topology
 from openrl.transport.bus import Bus
 
 log = logging.getLogger("openrl.dispatcher")
@@ -102,7 +102,7 @@ class Dispatcher:
 
     async def _dead_letter(self, msg, headers: dict) -> None:
         ev = events.from_headers_body(headers, msg.data)
-        await self.bus.nc.publish(f"openrl.deadletter.{events.op_of(ev)}", msg.data, headers=headers)
+        await self.bus.nc.publish(topology.deadletter_subject(events.op_of(ev)), msg.data, headers=headers)
         await self._post(self.dead_letter, headers, msg.data)
 
     async def stop(self) -> None:
@@ -114,13 +114,11 @@ class Dispatcher:
 
 async def serve(nats_url: str, gateway: str, routes: dict[str, str]) -> None:
     bus = await Bus(nats_url).connect()
-    from openrl.transport.worker import consumer_for
-
     ds = []
     for name, target in routes.items():
         # the same durable consumer a JetStream worker would bind: a work-queue stream allows
         # one consumer per subject, and either binding may serve it
-        c = consumer_for(f"functions.{name}", 0)
+        c = topology.consumer(name, 0).as_dict()
         c.pop("source")
         ds.append(Dispatcher(bus, **c, target=target, reply_to=f"{gateway}/events/result",
                              dead_letter=f"{gateway}/events/dead-letter"))

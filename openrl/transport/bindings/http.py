@@ -9,9 +9,11 @@
 - ``GET /metrics``: Prometheus metrics (:mod:`openrl.observe.metrics`), including
   ``openrl_function_info{function,device,dtype,backend}`` from the Function's
   ``describe()``, set after ``start()`` and refreshed at each scrape.
-- ``GET /healthz/live`` and ``/healthz/ready`` are the liveness / readiness probes
-  (``ready`` is false until the Function's ``start()`` has loaded its model, and again
-  once draining started).
+- ``GET /healthz/live`` and ``/healthz/ready`` are the liveness / readiness probes: the
+  Function's ``alive()`` / ``ready()`` answer ``(ok, reason)`` (:mod:`openrl.contract.function`);
+  the probe answers ``200`` (else ``503``) with the reason as plain text, as the Knative
+  Functions template does (``ready`` is false until the Function's ``start()`` has loaded
+  its model, and again once draining started).
 - On SIGTERM uvicorn stops accepting, finishes requests in flight, then the lifespan
   calls the Function's ``stop()`` (drain and flush).
 
@@ -22,22 +24,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from openrl.contract import events
+from openrl.config import Settings
+from openrl.contract.function import probe
+
+from openrl.contract import events, topology
 from openrl.transport.bindings import handle_event, load_function
 
 
-def create_app(function, cfg: dict | None = None, *, source: str = "/openrl/function") -> FastAPI:
+def create_app(function, cfg: "Settings | dict | None" = None, *, source: str = "/openrl/function") -> FastAPI:
     """Wrap ``function`` (the Function contract) in a FastAPI CloudEvent receiver.
 
     Args:
         function: the Function.
-        cfg: its ``start()`` config.
+        cfg: its ``start()`` config (:class:`openrl.config.Settings`, or a dict of explicit
+            values over the environment; None: the environment).
         source: CloudEvent ``source`` of result events; its last path segment names the
             function in metrics (``/openrl/trainer`` -> ``trainer``).
     """
@@ -48,7 +53,7 @@ def create_app(function, cfg: dict | None = None, *, source: str = "/openrl/func
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await function.start(cfg or {})
+        await function.start(Settings.of(cfg))
         metrics.set_function_info(name, describe(function))
         yield
         await function.stop()
@@ -57,13 +62,13 @@ def create_app(function, cfg: dict | None = None, *, source: str = "/openrl/func
 
     @app.get("/healthz/live")
     async def live():
-        ok = function.alive()
-        return JSONResponse({"alive": ok}, status_code=200 if ok else 503)
+        ok, reason = probe(function.alive(), "alive")
+        return PlainTextResponse(reason, status_code=200 if ok else 503)
 
     @app.get("/healthz/ready")
     async def ready():
-        ok = function.ready()
-        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+        ok, reason = probe(function.ready(), "ready")
+        return PlainTextResponse(reason, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics_route():
@@ -93,19 +98,22 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(prog="python -m openrl.transport.bindings.http")
     ap.add_argument("module", help="function module, e.g. functions.trainer")
-    ap.add_argument("--host", default=os.environ.get("OPENRL_HOST", "0.0.0.0"))
-    ap.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8080")))
-    ap.add_argument("--config", default="{}", help="JSON config for the Function's start()")
+    ap.add_argument("--host", default=None, help="listen address (default $OPENRL_HOST or 0.0.0.0)")
+    ap.add_argument("--port", type=int, default=None, help="port (default $PORT or 8080)")
+    ap.add_argument("--config", default="{}",
+                    help="JSON object of settings for the Function's start(), over the OPENRL_* environment "
+                         "(field names of openrl.config.Settings)")
     args = ap.parse_args(argv)
-    source = f"/openrl/{args.module.split('.')[-1]}"
+    cfg = Settings.of(json.loads(args.config), host=args.host, port=args.port)  # the one settings object
+    source = topology.source_of(topology.function_of_module(args.module))
     from openrl.observe import logs
     from openrl.observe import tracing
 
-    logs.setup(args.module.split(".")[-1])
+    logs.setup(args.module.split(".")[-1], level=cfg.log_level, fmt=cfg.log_format)
     tracing.setup(f"openrl-{args.module.split('.')[-1]}")
-    app = create_app(load_function(args.module), json.loads(args.config), source=source)
+    app = create_app(load_function(args.module), cfg, source=source)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=60,
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=60,
                     log_config=None)
     finally:
         tracing.shutdown()

@@ -7,7 +7,8 @@ import time
 from openrl.contract import events
 
 from openrl.observe import tracing
-from openrl.transport.bus import Bus, FutureRecord
+from openrl.contract.records import FutureRecord
+from openrl.transport.bus import Bus
 
 
 async def store_result(bus: Bus, result) -> None:

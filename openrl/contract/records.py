@@ -1,0 +1,170 @@
+"""What the JetStream KV buckets hold (see :mod:`openrl.contract.topology`).
+
+``OPENRL_FUTURES`` holds one :class:`FutureRecord` per request id (a JSON head line, then the
+result bytes). ``OPENRL_META`` holds JSON records, keyed by
+``openrl.transport.bus.kv_key(kind, id)``: :class:`Session` (``session``),
+:class:`TrainingRun` (``model``), :class:`SamplerSession` (``sampler``). Checkpoints carry a
+:class:`CheckpointManifest` (``manifest.json`` in storage) and a trainer's flushed run state a
+:class:`RunStateInfo` (the ``_runstate/<run>/HEAD.json`` pointer's info).
+
+The JSON records are pydantic models that keep unknown keys (``extra="allow"``), so a record
+written by a newer gateway survives a read-modify-write by an older one; :meth:`Record.to_record`
+gives the dict to store.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = [
+    "FutureRecord", "FutureMeta", "Record", "Session", "TrainingRun", "SamplerSession",
+    "CheckpointManifest", "RunStateInfo",
+]
+
+
+@dataclass
+class FutureRecord:
+    """What ``OPENRL_FUTURES`` holds for one request id.
+
+    ``state`` is ``pending`` until a function answers, then ``ok`` or ``error``.
+    ``content_type`` and ``body`` are the result event's data (protobuf or JSON bytes).
+    ``meta`` (see :class:`FutureMeta`): who asked and when.
+
+    Encoded as one JSON line ``{state, op, content_type, meta}``, ``\\n``, then ``body``.
+    """
+
+    state: str
+    op: str = ""
+    content_type: str = "application/json"
+    body: bytes = b""
+    meta: dict | None = None
+
+    def encode(self) -> bytes:
+        """The KV value: JSON head line + ``\\n`` + body bytes."""
+        head = json.dumps(
+            {"state": self.state, "op": self.op, "content_type": self.content_type, "meta": self.meta or {}}
+        ).encode()
+        return head + b"\n" + self.body
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "FutureRecord":
+        """Inverse of :meth:`encode`.
+
+        Raises:
+            json.JSONDecodeError / KeyError: not a future record.
+        """
+        head, _, body = raw.partition(b"\n")
+        h = json.loads(head)
+        return cls(state=h["state"], op=h.get("op", ""), content_type=h["content_type"], body=body, meta=h.get("meta"))
+
+
+class Record(BaseModel):
+    """Base of the JSON KV records: unknown keys are kept."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+    def to_record(self) -> dict[str, Any]:
+        """The JSON dict to store."""
+        return self.model_dump(mode="json")
+
+
+class FutureMeta(Record):
+    """``FutureRecord.meta``: ``owner`` (owner id of the caller's key), ``t0`` (unix s the
+    gateway accepted the request), ``ts`` (unix s a worker took it up), ``t1`` (unix s the
+    result was stored)."""
+
+    owner: str | None = None
+    t0: float | None = None
+    ts: float | None = None
+    t1: float | None = None
+
+
+class Session(Record):
+    """A client session (``create_session``); ``status`` becomes ``finished`` on finish."""
+
+    session_id: str
+    owner: str
+    tags: list[str] = []
+    user_metadata: dict[str, Any] = {}
+    display_name: str | None = None
+    project_id: str | None = None
+    sdk_version: str | None = None
+    created: str
+    last_heartbeat: str | None = None
+    status: Literal["active", "finished"] = "active"
+    finish_reason: str | None = None
+    training_run_ids: list[str] = []
+    sampler_ids: list[str] = []
+
+
+class TrainingRun(Record):
+    """A training run (``create_model``, create-via-load, or ``copy_weights`` with ``frozen``).
+
+    ``model_id`` is ``<session_id>:train:<model_seq_id>``; ``shard`` the trainer shard
+    (crc32(model_id) mod shards); times are ISO-8601 UTC.
+    """
+
+    model_id: str
+    session_id: str
+    owner: str
+    base_model: str | None
+    lora_config: dict[str, Any] = {}
+    optimizer_config: dict[str, Any] | None = None
+    tokenizer_id: str | None = None
+    shard: int = 0
+    created: str
+    last_request_time: str | None = None
+    user_metadata: dict[str, Any] = {}
+    frozen: bool = False
+    copy_of: str | None = None
+
+
+class SamplerSession(Record):
+    """A sampling session: base model plus an optional immutable snapshot (``model_path``)."""
+
+    sampler_id: str
+    owner: str
+    base_model: str
+    model_path: str | None = None
+    session_id: str
+    created: str
+
+
+class CheckpointManifest(Record):
+    """``manifest.json`` of a checkpoint (:func:`openrl.storage.build_manifest`): files with
+    size and sha256, owner, ttl, and the run's metadata at save time."""
+
+    tinker_path: str
+    checkpoint_id: str | None = None
+    checkpoint_type: str | None = None
+    training_run_id: str | None = None
+    created_unix: float | None = None
+    time: str | None = None
+    ttl_seconds: int | None = None
+    expires_unix: float | None = None
+    owner: str = ""
+    public: bool = False
+    size_bytes: int = 0
+    files: dict[str, dict[str, Any]] = {}
+    base_model: str | None = None
+    lora_config: dict[str, Any] | None = None
+    optimizer_config: dict[str, Any] | None = None
+    seq_id: int | None = None
+
+
+class RunStateInfo(Record):
+    """A trainer's flushed run state (:mod:`functions.trainer.durable`): the run's metadata and
+    its seq_id ``cursor`` (every request below it applied); ``final`` when flushed by a clean stop."""
+
+    model_id: str | None = None
+    cursor: int = 1
+    final: bool = False
+    base_model: str
+    lora_config: dict[str, Any] | None = None
+    optimizer_config: dict[str, Any] | None = None
+    flushed_unix: float | None = None
+    flushed_by: str | None = None
