@@ -53,16 +53,19 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from openrl.storage import RunState, RunStateConflict, Storage
+
+from functions.trainer.runs import RunTable
+
+if TYPE_CHECKING:
+    from functions.trainer.scheduler import Scheduler
 
 log = logging.getLogger("openrl.trainer.durable")
 
 GRADS_NAME = "grads.pt"
 RESULTS_NAME = "results.json"
-FLUSH_INTERVAL_ENV = "OPENRL_FLUSH_INTERVAL_S"
-RESTORE_WAIT_ENV = "OPENRL_RESTORE_WAIT_S"
 
 
 def lora_spec(lora: dict | None):
@@ -93,36 +96,35 @@ def decode_result(rec: dict) -> Any:
     return None
 
 
-def _float_env(cfg: dict, key: str, env: str, default: float) -> float:
-    raw = cfg.get(key)
-    if raw is None:
-        raw = os.environ.get(env, default)
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"{key} ({env}) must be a number of seconds, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"{key} ({env}) must be >= 0, got {value}")
-    return value
-
-
 class RunDurability:
     """Flush / restore of the training runs of one :class:`~functions.trainer.function.TrainerFunction`.
 
     Args:
-        fn: the trainer function (its ``engines``, ``run_base``, ``run_meta``, ``scheduler``,
-            ``_lock`` and ``_engine_for`` are used).
         storage: where run state goes (the same store as checkpoints).
-        interval_s: periodic flush interval (seconds); 0 disables periodic flushes.
-        restore_wait_s: how long a restore waits for a fresher pointer (seconds, see module doc).
+        runs: the trainer's run table (which runs are held, on what base model, with what
+            metadata); a restore adds to it.
+        scheduler: the trainer's scheduler (a run's cursor is its ``next_seq``; a restore
+            resets it and seeds its recent results).
+        engines: base-model key -> ``TrainerEngine`` (the trainer's live dict).
+        load_engine: ``(base_model name) -> base-model key``, loading the engine once;
+            blocking (called in a worker thread).
+        engine_lock: the lock that serialises engine computations (a snapshot is taken
+            while holding it, so no op is half applied).
+        interval_s: periodic flush interval (seconds); 0 disables periodic flushes
+            (``Settings.flush_interval_s``, $OPENRL_FLUSH_INTERVAL_S).
+        restore_wait_s: how long a restore waits for a fresher pointer (seconds, see module
+            doc; ``Settings.restore_wait_s``, $OPENRL_RESTORE_WAIT_S).
 
     Per run it keeps the pointer token it last read or wrote (the compare-and-set token) and
     the cursor of its last flush.
     """
 
-    def __init__(self, fn, storage: Storage, *, interval_s: float = 120.0, restore_wait_s: float = 10.0):
-        self.fn = fn
+    def __init__(self, storage: Storage, runs: RunTable, scheduler: "Scheduler", *,
+                 engines: Mapping[str, Any], load_engine: Callable[[str], str], engine_lock: asyncio.Lock,
+                 interval_s: float = 120.0, restore_wait_s: float = 10.0):
         self.storage = storage
+        self.runs, self.scheduler = runs, scheduler
+        self.engines, self.load_engine, self.engine_lock = engines, load_engine, engine_lock
         self.interval_s = float(interval_s)
         self.restore_wait_s = float(restore_wait_s)
         self.tokens: dict[str, str | None] = {}  # model_id -> pointer token (None: no pointer yet)
@@ -136,17 +138,6 @@ class RunDurability:
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._who = f"{socket.gethostname()}:{os.getpid()}"
-
-    @classmethod
-    def from_cfg(cls, fn, storage: Storage, cfg: dict) -> "RunDurability":
-        """Settings from ``cfg`` keys ``flush_interval_s`` / ``restore_wait_s`` or the env
-        (OPENRL_FLUSH_INTERVAL_S, default 120; OPENRL_RESTORE_WAIT_S, default 10).
-
-        Raises:
-            ValueError: a setting that is not a number >= 0 (naming the setting).
-        """
-        return cls(fn, storage, interval_s=_float_env(cfg, "flush_interval_s", FLUSH_INTERVAL_ENV, 120.0),
-                   restore_wait_s=_float_env(cfg, "restore_wait_s", RESTORE_WAIT_ENV, 10.0))
 
     # ----- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -197,7 +188,8 @@ class RunDurability:
                 self.in_flight.pop(model_id, None)
 
     def cursor(self, model_id: str) -> int:
-        q = self.fn.scheduler.runs.get(model_id)
+        """The run's seq_id cursor: every request below it applied (1 when nothing ran)."""
+        q = self.scheduler.runs.get(model_id)
         return q.next_seq if q is not None else 1
 
     def dirty(self, model_id: str) -> bool:
@@ -211,7 +203,7 @@ class RunDurability:
         With ``final`` (stop), a failure is logged per run and the others are still flushed.
         """
         done = []
-        for mid in list(self.fn.run_base):
+        for mid in list(self.runs):
             if not self.dirty(mid):
                 continue
             try:
@@ -232,25 +224,24 @@ class RunDurability:
         Raises:
             RunStateConflict: another trainer moved the run's pointer.
         """
-        fn = self.fn
         async with self.run_lock(model_id):
-            if model_id not in fn.run_base:
+            if model_id not in self.runs:
                 return False
             tmp = Path(tempfile.mkdtemp(prefix="openrl-runstate-"))
             try:
-                async with fn._lock:  # no engine op of any run is half applied while we hold it
-                    key = fn.run_base.get(model_id)
+                async with self.engine_lock:  # no engine op of any run is half applied while we hold it
+                    key = self.runs.base_key(model_id)
                     if key is None:
                         return False
-                    q = fn.scheduler.runs.get(model_id)
+                    q = self.scheduler.runs.get(model_id)
                     cursor = q.next_seq if q is not None else 1
                     results = {}
                     if q is not None:
                         for s in self.in_flight.get(model_id, ()):
                             if s < cursor and s in q.done:
                                 results[str(s)] = encode_result(q.done[s])
-                    await asyncio.to_thread(self._write_snapshot, fn.engines[key], model_id, tmp, results)
-                meta = fn.run_meta.get(model_id, {})
+                    await asyncio.to_thread(self._write_snapshot, self.engines[key], model_id, tmp, results)
+                meta = self.runs.meta(model_id)
                 info = {"model_id": model_id, "cursor": cursor, "final": bool(final),
                         "base_model": meta.get("base_model"), "lora_config": meta.get("lora_config"),
                         "optimizer_config": meta.get("optimizer_config"),
@@ -294,7 +285,7 @@ class RunDurability:
                 snapshot does not fit the base model.
         """
         async with self.run_lock(model_id):
-            if model_id in self.fn.run_base:
+            if model_id in self.runs:
                 return True
             return await self._restore_locked(model_id, seq_hint)
 
@@ -317,19 +308,16 @@ class RunDurability:
         return True
 
     async def _install(self, model_id: str, rs: RunState) -> None:
-        fn = self.fn
         info = rs.info
-        key = await asyncio.to_thread(fn._engine_for, info["base_model"])
-        engine = fn.engines[key]
+        key = await asyncio.to_thread(self.load_engine, info["base_model"])
+        engine = self.engines[key]
         spec = lora_spec(info.get("lora_config"))
-        async with fn._lock:
+        async with self.engine_lock:
             await asyncio.to_thread(self._load, engine, model_id, rs.directory, spec)
         cursor = int(info.get("cursor", 1))
-        fn.run_base[model_id] = key
-        fn.run_meta[model_id] = {"base_model": info.get("base_model"), "lora_config": info.get("lora_config"),
-                                 "optimizer_config": info.get("optimizer_config")}
-        fn.scheduler.reset(model_id, cursor)
-        q = fn.scheduler.queue(model_id)
+        self.runs.add(model_id, key, info)
+        self.scheduler.reset(model_id, cursor)
+        q = self.scheduler.queue(model_id)
         results_file = rs.directory / RESULTS_NAME
         if results_file.is_file():
             for s, rec in json.loads(results_file.read_text()).items():

@@ -168,7 +168,10 @@ class Scheduler:
         run_packed: ``async (list[Pending]) -> list[result]`` runs one packed pass
             (all items share a base model); results align with the input.
         run_single: ``async (Pending) -> result`` runs any other operation.
-        group_of: base-model key of a run (only runs of one base model are packed).
+        group_of: ``(model_id) -> str``, the packing group of a run: only runs of one group
+            (one base model) share a pass. The trainer passes its run table's
+            :meth:`functions.trainer.runs.RunTable.group_of`; the scheduler keeps no run table
+            of its own beyond the per-run ordering state in ``runs``.
         gap_timeout_s: how long a request may wait for a missing predecessor (seconds).
         window_s: how long to wait for more runs' requests before a pass (seconds).
         on_pass: called after every pass with its requests and its duration (seconds), for

@@ -43,13 +43,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from openrl.config import DEFAULT_HOME
 from openrl.errors import UserError
 
 #: Environment variable naming an alternative registry TOML file.
 REGISTRY_ENV = "OPENRL_MODEL_REGISTRY"
 #: Environment variable naming the state directory.
 HOME_ENV = "OPENRL_HOME"
-DEFAULT_STATE_DIR = "~/.openrl"
+DEFAULT_STATE_DIR = DEFAULT_HOME  # the one default, in openrl.config
 
 #: Accepted ``dtype`` values; the same as :data:`openrl.model.device.DTYPE_NAMES` (not imported from
 #: there: that module imports torch, and the gateway and ``openrl --help`` should not).

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 
 
-def configure_torch_threads() -> int:
-    """Set torch's intra-op threads from ``$OPENRL_TORCH_THREADS``.
+def configure_torch_threads(threads: int | None = None) -> int:
+    """Set torch's intra-op threads: ``threads`` (``Settings.torch_threads``), else
+    ``$OPENRL_TORCH_THREADS``.
 
     Default: half the CPU cores (at least 1). The embedded stack runs a trainer and a
     sampler process side by side; letting each use every core oversubscribes the CPU
@@ -14,6 +15,6 @@ def configure_torch_threads() -> int:
     """
     import torch
 
-    n = int(os.environ.get("OPENRL_TORCH_THREADS") or max(1, (os.cpu_count() or 2) // 2))
+    n = int(threads or os.environ.get("OPENRL_TORCH_THREADS") or max(1, (os.cpu_count() or 2) // 2))
     torch.set_num_threads(n)
     return n

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from openrl.config import Settings
 from openrl.model.registry import ModelRegistry, ensure_built
 
 
@@ -181,9 +182,7 @@ class Stack:
                 raise RuntimeError(f"{self.host}:{self.port} is already in use (another openrl serve?); "
                                    "pick another with --port")
         self.storage = self.storage or (self.state_dir / "storage").as_uri()
-        registry = ModelRegistry.load(
-            Path(os.environ["OPENRL_MODEL_REGISTRY"]) if os.environ.get("OPENRL_MODEL_REGISTRY") else None,
-            models_dir=self.state_dir / "models")
+        registry = ModelRegistry.load(Settings().registry_path, models_dir=self.state_dir / "models")
         if self.build:
             ensure_built(registry)
         self.nats_port = self.nats_port or free_port()
@@ -264,7 +263,7 @@ class Stack:
 
 
 def _stack_from_args(args) -> Stack:
-    state = Path(getattr(args, "state_dir", None) or os.environ.get("OPENRL_HOME", str(Path.home() / ".openrl")))
+    state = Path(getattr(args, "state_dir", None) or Settings().home_dir)
     return Stack(state_dir=state.expanduser().resolve(), host=getattr(args, "host", "127.0.0.1"),
                  port=int(getattr(args, "port", 8000)), storage=getattr(args, "storage", None),
                  build=not getattr(args, "no_build", False), push=bool(getattr(args, "push", False)),

@@ -1,0 +1,193 @@
+"""One settings object for every openrl process: :class:`Settings`.
+
+Environment variables stay the source (``OPENRL_<FIELD>``, case-insensitive; empty values
+count as unset), values given explicitly win::
+
+    cfg = Settings()                                   # from the environment
+    cfg = Settings(storage="file:///tmp/s", flush_interval_s=0)   # explicit values win
+    cfg = Settings.of({"storage": url, "gap_timeout_s": 8})       # a Function's start() dict
+
+``Settings`` is the ``cfg`` each Function's ``start(cfg)`` receives (the Knative Functions
+template's ``start(cfg)``; :mod:`openrl.contract.function`): the bindings
+(:mod:`openrl.transport.worker`, :mod:`openrl.transport.bindings.http`) build it, and
+``start`` also accepts a plain dict (:meth:`Settings.of`), which older callers and the
+tests pass. Functions read no environment variable themselves.
+
+The state directory ``$OPENRL_HOME`` defaults to :data:`DEFAULT_HOME` (``~/.openrl``)
+here and nowhere else; storage defaults to ``file://<home>/storage`` for the gateway and
+the workers alike.
+
+Some modules outside the functions still read their variable where it is used (the bus,
+logs, metrics, tracing, the gateway's download and auth code, vLLM's engine knobs); their
+fields are declared here too, so this class is the one list of what can be configured.
+
+This module is a leaf: it imports nothing of openrl.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+#: Default state directory (``$OPENRL_HOME``): models, models.toml, nats, storage, logs, api_key.
+DEFAULT_HOME = "~/.openrl"
+#: Environment prefix of every setting.
+ENV_PREFIX = "OPENRL_"
+
+#: ``start()`` dict keys of earlier releases -> the field they set (kept working).
+LEGACY_KEYS = {
+    "registry": "model_registry",
+    "gap_timeout_s": "seq_gap_timeout_s",
+    "gpu_memory": "trainer_gpu_memory",
+    "backend": "sampler_backend",
+}
+
+
+def _env(*names: str, field: str | None = None) -> AliasChoices:
+    """Environment names read for a field (first set wins), plus the field's own name for
+    explicit values."""
+    return AliasChoices(*names, *((field,) if field else ()))
+
+
+class Settings(BaseSettings):
+    """Every openrl setting; field ``x`` comes from ``$OPENRL_X`` unless noted.
+
+    Durations are seconds, sizes bytes, memory shares fractions of one GPU's memory.
+
+    Raises:
+        pydantic.ValidationError (a ValueError): a value of the wrong type or out of range;
+            the message names the field.
+    """
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_ignore_empty=True, extra="ignore",
+                                      populate_by_name=True, frozen=False)
+
+    # ----- shared -----------------------------------------------------------------------
+    home: str = Field(DEFAULT_HOME, description="state directory (OPENRL_HOME); see :attr:`home_dir`")
+    storage: str | None = Field(None, description="file:// or gs:// storage URL; default file://<home>/storage")
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL")
+    model_registry: str | None = Field(None, description="registry TOML file; default the packaged one")
+    models_dir: str | None = Field(None, description="where built / relative models live; default <home>/models")
+    device: str | None = Field(None, description="auto | cpu | cuda | cuda:N (None: auto, openrl.model.device)")
+    preload: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="base-model names to load at start (comma-separated in the env)")
+    torch_threads: int | None = Field(None, ge=1, description="torch CPU threads; default half the cores")
+    internal_token: str | None = Field(None, description="shared secret of the gateway's /events/* sinks")
+
+    # ----- trainer ----------------------------------------------------------------------
+    trainer_gpu_memory: float | None = Field(
+        None, gt=0, le=1, description="fraction of the GPU the trainer may allocate; None = all")
+    pack_max_delay_s: float = Field(0.25, ge=0, description="longest a ready pass waits for other runs; 0 = never")
+    seq_gap_timeout_s: float = Field(300.0, ge=0, description="how long a request waits for a missing seq_id")
+    max_seq_ahead: int = Field(10_000, ge=0, description="seq_ids further past a run's next one fail at once")
+    flush_interval_s: float = Field(120.0, ge=0, description="periodic run-state flush interval; 0 = off")
+    restore_wait_s: float = Field(10.0, ge=0, description="how long a restore waits for a fresher flush")
+    fused_kernels: bool = Field(True, description="the trainer's fused LoRA kernels on CUDA (0 = off)")
+
+    # ----- sampler ----------------------------------------------------------------------
+    sampler_backend: str = Field("auto", description="auto | hf | vllm (auto: vLLM on CUDA when installed)")
+    sampler_gpu_memory: float | None = Field(
+        None, gt=0, le=1, validation_alias=_env("OPENRL_SAMPLER_GPU_MEMORY", "OPENRL_VLLM_GPU_UTIL"),
+        description="vLLM gpu_memory_utilization (older name OPENRL_VLLM_GPU_UTIL)")
+    sampler_max_num_seqs: int | None = Field(
+        None, ge=1, validation_alias=_env("OPENRL_SAMPLER_MAX_NUM_SEQS", "OPENRL_VLLM_MAX_NUM_SEQS"),
+        description="vLLM max_num_seqs (older name OPENRL_VLLM_MAX_NUM_SEQS)")
+    vllm_max_loras: int | None = Field(None, ge=1, description="vLLM max_loras")
+    vllm_max_lora_rank: int | None = Field(None, ge=1, description="vLLM max_lora_rank")
+    vllm_unembed_lora: str | None = Field(None, description="vLLM LoRA on the unembedding (see vllm_backend)")
+
+    # ----- transport --------------------------------------------------------------------
+    ack_wait_s: float = Field(30.0, gt=0, description="JetStream ack wait of the work consumers")
+    futures_ttl_s: float = Field(7 * 86400.0, ge=0, description="lifetime of a future in the KV bucket")
+    worker_refresh_s: float = Field(30.0, gt=0, description="seconds between worker-record rewrites")
+    host: str = Field("0.0.0.0", description="HTTP binding's listen address")
+    port: int = Field(8080, validation_alias=_env("PORT"), description="HTTP binding's port ($PORT, Knative)")
+
+    # ----- gateway ----------------------------------------------------------------------
+    long_poll_s: float = Field(25.0, ge=0, description="retrieve_future hold before try_again")
+    trainer_shards: int = Field(1, ge=1, description="trainer shards (crc32(model_id) % shards)")
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1, description="largest request body (413 beyond)")
+    max_pending_samples: int = Field(10_000, ge=0, description="sample backlog before 429; 0 = off")
+    max_pending_train: int = Field(10_000, ge=0, description="train backlog before 429; 0 = off")
+    k_sink: str | None = Field(None, validation_alias=_env("K_SINK"),
+                               description="Knative SinkBinding broker URL ($K_SINK)")
+    public_url: str | None = Field(None, description="base URL of download links")
+    download_ttl_s: int = Field(3600, ge=1, description="lifetime of a download URL")
+    download_secret: str | None = Field(None, description="HMAC key of download URLs")
+    proto_compress: bool = Field(False, description="offer zstd-compressed forward_backward bodies")
+    api_keys: str | None = Field(None, description="accepted API keys, comma-separated (openrl.edge.auth)")
+    api_keys_file: str | None = Field(None, description="file of accepted API keys")
+    insecure_any_key: bool = Field(False, description="accept any key (tests only)")
+    sweep_interval_s: float = Field(300.0, ge=0, description="checkpoint TTL sweeps; 0 = off")
+
+    # ----- observability ----------------------------------------------------------------
+    log_format: str = Field("json", description="json | text")
+    log_level: str = Field("INFO", description="root log level")
+    metrics_port: int = Field(0, ge=0, description="Prometheus /metrics port of a worker; 0 = off")
+    metrics_host: str = Field("0.0.0.0", description="Prometheus /metrics listen address")
+    trace_file: str | None = Field(None, description="write spans as JSON lines here")
+
+    @field_validator("preload", mode="before")
+    @classmethod
+    def _split_names(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [n.strip() for n in v.split(",") if n.strip()]
+        return v
+
+    # ----- derived ----------------------------------------------------------------------
+    @property
+    def home_dir(self) -> Path:
+        """The state directory: absolute, ``~`` expanded; not created."""
+        return Path(os.path.abspath(Path(self.home).expanduser()))
+
+    @property
+    def storage_url(self) -> str:
+        """``storage`` or ``file://<home>/storage`` (the same default in every process)."""
+        return self.storage or (self.home_dir / "storage").as_uri()
+
+    @property
+    def models_path(self) -> Path:
+        """``models_dir`` or ``<home>/models``."""
+        return Path(self.models_dir).expanduser() if self.models_dir else self.home_dir / "models"
+
+    @property
+    def registry_path(self) -> Path | None:
+        """``model_registry`` as a path, None for the packaged registry."""
+        return Path(self.model_registry).expanduser() if self.model_registry else None
+
+    @property
+    def cache_dir(self) -> Path:
+        """``<home>/cache``: downloaded snapshots, compile caches."""
+        return self.home_dir / "cache"
+
+    @classmethod
+    def of(cls, cfg: "Settings | Mapping[str, Any] | None" = None, **overrides: Any) -> "Settings":
+        """``cfg`` as Settings: a Settings as is (copied with ``overrides``), else a dict of
+        explicit values over the environment.
+
+        Dict keys of earlier releases (:data:`LEGACY_KEYS`: ``registry``, ``gap_timeout_s``,
+        ``gpu_memory``, ``backend``) are accepted; a None value means "not given" (the
+        environment, else the default, applies); keys that name no setting are ignored.
+
+        Raises:
+            pydantic.ValidationError: a value of the wrong type or out of range.
+        """
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        if isinstance(cfg, Settings):
+            return cfg.model_copy(update=overrides) if overrides else cfg
+        given = {**dict(cfg or {}), **overrides}
+        for old, new in LEGACY_KEYS.items():
+            if old in given:
+                value = given.pop(old)
+                given.setdefault(new, value)
+        return cls(**{k: v for k, v in given.items() if v is not None and k in cls.model_fields})
+
+
+def default_home() -> Path:
+    """The state directory of this environment (``$OPENRL_HOME`` or :data:`DEFAULT_HOME`), absolute."""
+    return Settings().home_dir
