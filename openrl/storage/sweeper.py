@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 
 from openrl.errors import NotFound, ServerError, UserError
 from openrl.storage.base import Storage
+from openrl.storage.layout import TinkerPath
 
 
 def sweep_expired(storage: Storage, now: float | None = None) -> list[str]:
