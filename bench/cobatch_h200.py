@@ -22,9 +22,9 @@ Sections (``--sections``, default all):
   optim     optim_step of 8 runs, one after another
   profile   torch.profiler table of one 8-run co-batched step (profile_cobatch8.txt)
 
-Configurations: "optimised" = grouped-GEMM multi-LoRA (``openrl.model.lora.MULTI_ADAPTER_MODE =
-"auto"``), fused logprob head (``openrl.model.numerics.FUSED_LOGPROB``), compiled pointwise
-kernels (``openrl.model.numerics.accelerate_model``); "before" = stacked row-masked LoRA, the
+Configurations: "optimised" = grouped-GEMM multi-LoRA (``openrl.model.lora.ops.MULTI_ADAPTER_MODE =
+"auto"``), fused logprob head (``openrl.model.logprobs.FUSED_LOGPROB``), compiled pointwise
+kernels (``openrl.model.kernels.accelerate_model``); "before" = stacked row-masked LoRA, the
 checkpointed two-pass logprob head, eager pointwise code (the engine as it was measured
 before this work: 8 runs 622 ms, one adapter 550 ms per 8192 tokens).
 
@@ -137,22 +137,22 @@ class Bench:
                     if "lora_B" in name:
                         p.copy_(torch.randn(p.shape, generator=g) * 0.01)
         self.rng = np.random.RandomState(0)
-        from openrl.model import lora
-        from openrl.model import numerics
+        from openrl.model import kernels, logprobs
+        from openrl.model.lora import ops
 
-        self.lora, self.numerics = lora, numerics
-        self.fast = {k: v.fast for k, v in numerics._KERNELS.items()}
+        self.ops, self.logprobs, self.kernels = ops, logprobs, kernels
+        self.fast = {k: v.fast for k, v in kernels._KERNELS.items()}
 
     # -------------------------------------------------------------- configurations
 
     def config(self, name: str) -> None:
         """'optimised' | 'before' | 'no_grouped' | 'no_fused_head' | 'no_compile'."""
         grouped = name not in ("before", "no_grouped")
-        self.lora.MULTI_ADAPTER_MODE = "auto" if grouped else "stacked"
-        self.numerics.FUSED_LOGPROB = name not in ("before", "no_fused_head")
+        self.ops.MULTI_ADAPTER_MODE = "auto" if grouped else "stacked"
+        self.logprobs.FUSED_LOGPROB = name not in ("before", "no_fused_head")
         self.engine.chunk_tokens = 2048 if name == "before" else self.args.chunk_tokens  # 2048: the old default
         compiled = name not in ("before", "no_compile")
-        for k, kern in self.numerics._KERNELS.items():
+        for k, kern in self.kernels._KERNELS.items():
             kern.fast = self.fast[k] if compiled else None
 
     # -------------------------------------------------------------- data
@@ -212,7 +212,7 @@ class Bench:
 
     def s_check(self) -> None:
         """Optimised vs 'before' on the GPU: logprobs and LoRA gradients of 2 co-batched runs."""
-        from openrl.model.numerics import pad_batch, target_logprobs
+        from openrl.model.logprobs import pad_batch, target_logprobs
 
         T = min(self.T, 256)
         ids = torch.from_numpy(self.rng.randint(0, self.cfg.vocab_size, size=(3, T + 1)))
@@ -238,7 +238,7 @@ class Bench:
     def s_precision(self) -> None:
         """bf16 paths ('before', 'optimised', each ablation) vs a float32 reference (the same
         weights upcast, eager 'before' code): relative L2 error of logprobs and LoRA grads."""
-        from openrl.model.numerics import pad_batch, target_logprobs
+        from openrl.model.logprobs import pad_batch, target_logprobs
 
         T = min(self.T, 256)
         ids = torch.from_numpy(self.rng.randint(0, self.cfg.vocab_size, size=(3, T + 1)))

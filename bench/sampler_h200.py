@@ -152,7 +152,7 @@ async def run(args) -> None:
     # ------------------------------------------------------------ save -> first sample
     from functions.trainer.engine import Datum, FwdBwdItem, TrainerEngine
     from openrl.model.lora import LoraSpec
-    from openrl.model.numerics import target_logprobs
+    from openrl.model.logprobs import target_logprobs
     import numpy as np
 
     t = time.time()

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from functions.trainer.engine import Datum, FwdBwdItem, TrainerEngine
 from openrl.model.lora import LoraSpec, MultiLoRAModel, load_peft_adapter
-from openrl.model.numerics import pad_batch, target_logprobs
+from openrl.model.logprobs import pad_batch, target_logprobs
 
 VOCAB = 512
 
@@ -44,17 +44,17 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(params=["stacked", "loop", "blocks", "grouped"])
 def mode(request, monkeypatch):
-    """Every way a layer applies several adapters (see openrl.model.lora.MULTI_ADAPTER_MODE);
+    """Every way a layer applies several adapters (see openrl.model.lora.ops.MULTI_ADAPTER_MODE);
     "blocks" = auto with a rank cap of 10, so r4+r2 stack and r8 runs alone (on CPU "auto"
     never groups); "grouped" = torch._grouped_mm where the CPU build has it (else it falls
     back to stacked)."""
-    import openrl.model.lora
+    import openrl.model.lora.ops
 
     if request.param == "blocks":
-        monkeypatch.setattr(openrl.model.lora, "MULTI_ADAPTER_MODE", "auto")
-        monkeypatch.setattr(openrl.model.lora, "STACKED_MAX_RANK_SUM", 10)
+        monkeypatch.setattr(openrl.model.lora.ops, "MULTI_ADAPTER_MODE", "auto")
+        monkeypatch.setattr(openrl.model.lora.ops, "STACKED_MAX_RANK_SUM", 10)
     else:
-        monkeypatch.setattr(openrl.model.lora, "MULTI_ADAPTER_MODE", request.param)
+        monkeypatch.setattr(openrl.model.lora.ops, "MULTI_ADAPTER_MODE", request.param)
     return request.param
 
 
@@ -288,7 +288,7 @@ def test_fused_logprob_head_matches_checkpointed(model_dir, monkeypatch):
     unembedding has no LoRA and there is one target per position) gives the logprobs and
     adapter gradients of the checkpointed two-pass path, on a right-padded batch (run with
     no attention mask) and a left-padded one (masked)."""
-    import openrl.model.numerics as nm
+    import openrl.model.logprobs as nm
 
     rng = np.random.RandomState(11)
     seqs = [list(_seq(rng, n)) for n in (9, 6, 11)]
@@ -319,7 +319,7 @@ def test_fused_logprob_head_matches_checkpointed(model_dir, monkeypatch):
 
 def test_fused_logprob_function_softcap_gradcheck():
     """_FusedTargetLogprob against autograd through log_softmax, float64, with a softcap."""
-    from openrl.model.numerics import _FusedTargetLogprob
+    from openrl.model.logprobs import _FusedTargetLogprob
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(7, 5, generator=g, dtype=torch.float64, requires_grad=True)
@@ -341,7 +341,7 @@ def test_fused_logprob_function_softcap_gradcheck():
 def test_accelerate_model_leaves_cpu_numerics_alone(model_dir):
     """accelerate_model patches norms / MLPs / rotary for CUDA tensors only: on CPU the
     logits are bit-identical."""
-    from openrl.model.numerics import accelerate_model
+    from openrl.model.kernels import accelerate_model
 
     base = AutoModelForCausalLM.from_pretrained(model_dir)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))

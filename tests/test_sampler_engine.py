@@ -21,7 +21,7 @@ from functions.sampler.engine import (
 from functions.sampler.hf_backend import HFBackend
 from openrl.errors import ServerError, UserError
 from openrl.model.lora import LoraSpec, MultiLoRAModel, save_peft_adapter
-from openrl.model.numerics import target_logprobs
+from openrl.model.logprobs import target_logprobs
 
 VOCAB = 512
 EOS = 0  # "<|endoftext|>" is the tokenizer's first (special) token

@@ -17,10 +17,10 @@ Ordering is the caller's job: pass items that may run together (for one run: req
 ``seq_id`` order, never across an ``optim_step`` or a weight load of that run).
 
 On CUDA the engine routes the decoder's pointwise chains (RMSNorm, SiLU * up, rotary)
-through fused, checked ``torch.compile`` kernels (:func:`openrl.model.numerics.accelerate_model`;
+through fused, checked ``torch.compile`` kernels (:func:`openrl.model.kernels.accelerate_model`;
 ``OPENRL_FUSED_KERNELS=0`` keeps eager code), LoRA deltas of several runs go through grouped
-GEMMs (:data:`openrl.model.lora.MULTI_ADAPTER_MODE`), and the vocabulary projection computes its
-gradient in the forward (``openrl.model.numerics``); nothing is recomputed. CPU numerics are
+GEMMs (:data:`openrl.model.lora.ops.MULTI_ADAPTER_MODE`), and the vocabulary projection computes its
+gradient in the forward (``openrl.model.logprobs``); nothing is recomputed. CPU numerics are
 unchanged.
 
 Not thread-safe: call it from one thread (or serialise calls).
@@ -39,6 +39,7 @@ import torch
 
 from functions.trainer import losses
 from functions.trainer.optim import AdamConfig, RunOptimizer, step_many
+from openrl.edge.proto import FwdBwdDatum
 from openrl.errors import NotFound, ServerError, UserError
 from openrl.model.lora import (
     ADAPTER_CONFIG_NAME,
@@ -48,25 +49,17 @@ from openrl.model.lora import (
     read_peft_adapter,
     save_peft_adapter,
 )
-from openrl.model.numerics import DEFAULT_CHUNK_TOKENS, accelerate_model, pad_batch, target_logprobs
+from openrl.model.kernels import accelerate_model
+from openrl.model.logprobs import DEFAULT_CHUNK_TOKENS, pad_batch, target_logprobs
 
 OPTIMIZER_NAME = "optimizer.pt"
 RUN_NAME = "run.json"
 _RUN_FORMAT = "openrl.run.v1"
 
 
-@dataclass
-class Datum:
-    """One training example.
-
-    Attributes:
-        tokens: the model input (the datum's encoded_text chunks, concatenated), T ids.
-        loss_fn_inputs: dense arrays: ``target_tokens`` int64 [T] (or [T, K] for
-            cross_entropy), ``weights`` / ``advantages`` / ``logprobs`` float32 [T], ...
-    """
-
-    tokens: list[int]
-    loss_fn_inputs: dict[str, np.ndarray]
+#: One training example: the decoded datum the gateway checks and the trainer function hands
+#: over (:class:`openrl.edge.proto.FwdBwdDatum`: ``tokens`` T ids, ``loss_fn_inputs`` dense arrays).
+Datum = FwdBwdDatum
 
 
 @dataclass
@@ -130,7 +123,7 @@ class TrainerEngine:
         max_rows: most datums (rows) per micro-batch.
         max_tokens: most padded tokens (rows x longest row) per micro-batch; a single longer
             row still runs, alone.
-        chunk_tokens: tokens per vocabulary-projection chunk (see ``openrl.model.numerics``).
+        chunk_tokens: tokens per vocabulary-projection chunk (see ``openrl.model.logprobs``).
     """
 
     def __init__(
@@ -170,7 +163,7 @@ class TrainerEngine:
         self.dtype = next(base.parameters()).dtype
         self.model = MultiLoRAModel(base)
         self.device = torch.device(device)
-        #: fused-kernel status per kernel (empty on CPU); see openrl.model.numerics.accelerate_model
+        #: fused-kernel status per kernel (empty on CPU); see openrl.model.kernels.accelerate_model
         self.kernels: dict[str, str] = {}
         if self.device.type == "cuda" and os.environ.get("OPENRL_FUSED_KERNELS", "1") != "0":
             self.kernels = accelerate_model(base)

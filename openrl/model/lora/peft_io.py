@@ -1,0 +1,60 @@
+"""PEFT adapter files: ``adapter_model.safetensors`` (keys
+``base_model.model.<module path>.lora_{A,B}.weight``) + ``adapter_config.json``, the layout
+``peft.PeftModel.from_pretrained(base, dir)`` and vLLM's LoRA loader read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torch import Tensor
+
+from openrl.errors import UserError
+from openrl.model.lora.model import MultiLoRAModel
+
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+
+
+def save_peft_adapter(model: MultiLoRAModel, name: str, directory: Path) -> None:
+    """Write adapter ``name`` of ``model`` as :data:`ADAPTER_WEIGHTS_NAME` (float32) +
+    :data:`ADAPTER_CONFIG_NAME` in ``directory`` (created if needed).
+
+    Raises:
+        KeyError: unknown adapter. OSError: the directory cannot be written.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(model.peft_state_dict(name), str(directory / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+    (directory / ADAPTER_CONFIG_NAME).write_text(json.dumps(model.peft_config(name), indent=2, sort_keys=True))
+
+
+def read_peft_adapter(directory: Path) -> tuple[dict[str, Tensor], dict]:
+    """Read ``(state_dict, adapter_config)`` from a PEFT adapter directory (tensors on CPU).
+
+    Raises:
+        UserError: files missing or unreadable (field ``checkpoint``).
+    """
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    wpath, cpath = directory / ADAPTER_WEIGHTS_NAME, directory / ADAPTER_CONFIG_NAME
+    if not wpath.is_file() or not cpath.is_file():
+        raise UserError("checkpoint", f"{directory} holds no PEFT adapter ({ADAPTER_WEIGHTS_NAME} + {ADAPTER_CONFIG_NAME})")
+    try:
+        return load_file(str(wpath)), json.loads(cpath.read_text())
+    except Exception as e:  # corrupt file
+        raise UserError("checkpoint", f"cannot read adapter in {directory}: {e}") from None
+
+
+def load_peft_adapter(model: MultiLoRAModel, name: str, directory: Path, seed: int | None = None) -> None:
+    """(Re)create adapter ``name`` of ``model`` from a PEFT adapter directory.
+
+    Raises:
+        UserError: unreadable files, or an adapter that does not fit the model (field
+            ``checkpoint``); a previous adapter ``name`` is then untouched.
+    """
+    sd, cfg = read_peft_adapter(directory)
+    model.load_peft_state_dict(name, sd, cfg, seed=seed)
