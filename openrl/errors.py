@@ -17,10 +17,6 @@ class OpenRLError(Exception):
         super().__init__(message)
         self.message = message
 
-    def to_payload(self) -> dict:
-        """The JSON body of a failed future: ``{"error": str, "category": str}``."""
-        return {"error": self.message, "category": self.category}
-
 
 class UserError(OpenRLError):
     """Bad input from the client; the message names the offending field.
