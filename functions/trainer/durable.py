@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from openrl.contract.records import RunStateInfo
 from openrl.storage import RunState, RunStateConflict, Storage
 
 from functions.trainer.runs import RunTable
@@ -242,10 +243,10 @@ class RunDurability:
                                 results[str(s)] = encode_result(q.done[s])
                     await asyncio.to_thread(self._write_snapshot, self.engines[key], model_id, tmp, results)
                 meta = self.runs.meta(model_id)
-                info = {"model_id": model_id, "cursor": cursor, "final": bool(final),
-                        "base_model": meta.get("base_model"), "lora_config": meta.get("lora_config"),
-                        "optimizer_config": meta.get("optimizer_config"),
-                        "flushed_unix": time.time(), "flushed_by": self._who}
+                info = RunStateInfo(model_id=model_id, cursor=cursor, final=bool(final),
+                                    base_model=meta.get("base_model"), lora_config=meta.get("lora_config"),
+                                    optimizer_config=meta.get("optimizer_config"),
+                                    flushed_unix=time.time(), flushed_by=self._who).to_record()
                 t0 = time.monotonic()
                 token = await asyncio.to_thread(self.storage.put_run_state, model_id, tmp, info,
                                                 self.tokens.get(model_id))
@@ -294,13 +295,13 @@ class RunDurability:
         if rs is None:
             return False
         deadline = time.monotonic() + self.restore_wait_s
-        while (seq_hint is not None and seq_hint > int(rs.info.get("cursor", 1)) and not rs.info.get("final")
-               and time.monotonic() < deadline):
+        info = RunStateInfo.model_validate(rs.info)
+        while seq_hint is not None and seq_hint > info.cursor and not info.final and time.monotonic() < deadline:
             await asyncio.sleep(0.25)
             newer = await asyncio.to_thread(self.storage.get_run_state, model_id, download=False)
             if newer is None:
                 return False
-            rs = newer
+            rs, info = newer, RunStateInfo.model_validate(newer.info)
         rs = await asyncio.to_thread(self.storage.get_run_state, model_id)
         if rs is None:
             return False
@@ -308,14 +309,14 @@ class RunDurability:
         return True
 
     async def _install(self, model_id: str, rs: RunState) -> None:
-        info = rs.info
-        key = await asyncio.to_thread(self.load_engine, info["base_model"])
+        info = RunStateInfo.model_validate(rs.info)
+        key = await asyncio.to_thread(self.load_engine, info.base_model)
         engine = self.engines[key]
-        spec = lora_spec(info.get("lora_config"))
+        spec = lora_spec(info.lora_config)
         async with self.engine_lock:
             await asyncio.to_thread(self._load, engine, model_id, rs.directory, spec)
-        cursor = int(info.get("cursor", 1))
-        self.runs.add(model_id, key, info)
+        cursor = info.cursor
+        self.runs.add(model_id, key, rs.info)
         self.scheduler.reset(model_id, cursor)
         q = self.scheduler.queue(model_id)
         results_file = rs.directory / RESULTS_NAME
@@ -324,11 +325,11 @@ class RunDurability:
                 q.done[int(s)] = decode_result(rec)
         self.tokens[model_id] = rs.token
         self.flushed[model_id] = cursor
-        if info.get("final"):
+        if info.final:
             self.crash_restored.pop(model_id, None)
         else:
             self.crash_restored[model_id] = cursor
-        log.info("restored run state of %s at cursor %d (flushed by %s)", model_id, cursor, info.get("flushed_by"))
+        log.info("restored run state of %s at cursor %d (flushed by %s)", model_id, cursor, info.flushed_by)
 
     @staticmethod
     def _load(engine, model_id: str, directory: Path, spec) -> None:

@@ -163,7 +163,7 @@ class RunStateInfo(Record):
     model_id: str | None = None
     cursor: int = 1
     final: bool = False
-    base_model: str
+    base_model: str | None = None
     lora_config: dict[str, Any] | None = None
     optimizer_config: dict[str, Any] | None = None
     flushed_unix: float | None = None
