@@ -57,7 +57,7 @@ def log(**kw) -> None:
 def make_hf(model: Path, rows: int):
     """HFBackend; on transformers < 5.24 (no ``cache=`` keyword on the decoder) the cache
     is passed as ``past_key_values`` (the backend passes ``cache=``)."""
-    from functions.sampler.hf_backend import HFBackend
+    from functions.sampler.backends.hf import HFBackend
 
     cls = HFBackend
     from transformers.models.qwen3 import modeling_qwen3
@@ -81,7 +81,7 @@ def make_hf(model: Path, rows: int):
 
 
 def make_vllm(model: Path, rows: int, util: float):
-    from functions.sampler.vllm_backend import VLLMBackend
+    from functions.sampler.backends.vllm import VLLMBackend
 
     caps = [c for c in (1, 2, 4, 8, 16, 32, 64, 128, 256) if c <= rows]
     return VLLMBackend(model, device="cuda", max_batch_rows=rows, max_context=1024, max_loras=8, max_lora_rank=32,

@@ -18,7 +18,7 @@ from functions.sampler.engine import (
     SamplerBackend,
     SamplerEngine,
 )
-from functions.sampler.hf_backend import HFBackend
+from functions.sampler.backends.hf import HFBackend
 from openrl.errors import ServerError, UserError
 from openrl.model.lora import LoraSpec, MultiLoRAModel, save_peft_adapter
 from openrl.model.logprobs import target_logprobs

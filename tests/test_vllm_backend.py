@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from functions.sampler.engine import TOPK_MASK_LOGPROB, SampleJob, SampleResult
-from functions.sampler.vllm_backend import (
+from functions.sampler.backends.vllm import (
     check_supported,
     prepare_adapter,
     prompt_fields,
@@ -150,7 +150,7 @@ def test_prompt_fields_last_n_and_topk():
 def test_vllm_backend_engine(tmp_path):  # pragma: no cover - GPU only
     import asyncio
 
-    from functions.sampler.vllm_backend import VLLMBackend
+    from functions.sampler.backends.vllm import VLLMBackend
 
     cfg = Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)

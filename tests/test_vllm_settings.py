@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from functions.sampler import engine as sampler_engine
-from functions.sampler.vllm_backend import (
+from functions.sampler.backends.vllm import (
     DEFAULT_GPU_MEMORY,
     DEFAULT_MAX_LORAS,
     DEFAULT_MAX_NUM_SEQS,
@@ -72,7 +72,7 @@ def test_engine_leaves_the_batch_width_to_the_backend(monkeypatch, tmp_path):
 
     import types
 
-    monkeypatch.setitem(__import__("sys").modules, "functions.sampler.vllm_backend",
+    monkeypatch.setitem(__import__("sys").modules, "functions.sampler.backends.vllm",
                         types.SimpleNamespace(VLLMBackend=Fake))
     sampler_engine.make_backend("vllm", tmp_path, device="cuda")
     assert "max_batch_rows" not in seen

@@ -15,7 +15,14 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from openrl.model.lora import ops
+from openrl.model.lora.ops import (
+    grouped_lora_delta,
+    grouped_mm_support,
+    index_add_lora,
+    lora_delta,
+    stacked_lora_delta,
+    select_plan,
+)
 
 
 class LoraRouting:
@@ -74,7 +81,7 @@ class LoraRouting:
                 if name is not None:
                     rows.setdefault(name, []).append(i)
             self.groups = {k: torch.tensor(v, dtype=torch.long, device=device) for k, v in rows.items()}
-        self.plan = ops.select_plan(contiguous, len(self.names), torch.device(device), dtype)
+        self.plan = select_plan(contiguous, len(self.names), torch.device(device), dtype)
         self._cache: dict[tuple, Tensor] = {}
 
     # ------------------------------------------------------------------ small cached tensors
@@ -163,13 +170,13 @@ class LoraRouting:
             names = [n for _, _, n in block]
             ws = [weights(n) for n in names]
             if len(names) == 1:
-                d = ops.lora_delta(xs, *ws[0], scaling[names[0]])
+                d = lora_delta(xs, *ws[0], scaling[names[0]])
             elif grouped and _grouped_fits(xs, block, ws[0][1].shape[0]):
                 d = self._grouped(xs, block, ws, [scaling[n] for n in names])
             else:
                 m = self.mask(names, [a.shape[0] for a, _ in ws], [scaling[n] for n in names],
                               xs.dtype, xs.device, (s0, e1))
-                d = ops.stacked_lora_delta(xs, [a for a, _ in ws], [b for _, b in ws], m)
+                d = stacked_lora_delta(xs, [a for a, _ in ws], [b for _, b in ws], m)
             parts.append(ys + d.to(y.dtype))
             block.clear()
             block_rank = 0
@@ -194,11 +201,11 @@ class LoraRouting:
         if len(present) > 1 and sum(ws[n][0].shape[0] for n in present) <= self.plan.rank_cap:
             m = self.mask(present, [ws[n][0].shape[0] for n in present], [scaling[n] for n in present],
                           x.dtype, x.device, (0, x.shape[0]))
-            d = ops.stacked_lora_delta(x, [ws[n][0] for n in present], [ws[n][1] for n in present], m)
+            d = stacked_lora_delta(x, [ws[n][0] for n in present], [ws[n][1] for n in present], m)
             return y + d.to(y.dtype)
         for name, rows in self.groups.items():
             if name in ws:
-                y = ops.index_add_lora(y, x, rows, *ws[name], scaling[name])
+                y = index_add_lora(y, x, rows, *ws[name], scaling[name])
         return y
 
     def _grouped(self, xs: Tensor, block: list[tuple[int, int, str]], ws: list[tuple[Tensor, Tensor]],
@@ -221,7 +228,7 @@ class LoraRouting:
                     [torch.full(((e - s) * per_row, 1), sc, dtype=torch.float32) for (s, e, _), sc in zip(block, scales)]
                 ).to(device=xs.device, dtype=xs.dtype),
             )
-        return ops.grouped_lora_delta(xs, [a for a, _ in ws], [b for _, b in ws], offs, scale)
+        return grouped_lora_delta(xs, [a for a, _ in ws], [b for _, b in ws], offs, scale)
 
 
 def _grouped_fits(xs: Tensor, block: list[tuple[int, int, str]], out_features: int) -> bool:
@@ -231,7 +238,7 @@ def _grouped_fits(xs: Tensor, block: list[tuple[int, int, str]], out_features: i
     that are multiples of 16."""
     if xs.is_cuda and (xs.shape[-1] % 8 or out_features % 8):
         return False
-    support = ops.grouped_mm_support(xs.device, xs.dtype)
+    support = grouped_mm_support(xs.device, xs.dtype)
     if support is None:
         return False
     if support == "aligned":

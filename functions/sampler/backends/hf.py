@@ -22,11 +22,12 @@ independently. Left padding is exact: padded key positions are masked out of att
 positions come from each row's own token count, so a row's numbers do not depend on what it
 is batched with (up to float reduction order).
 
-Sampling: per row, ``temperature == 0`` is argmax; otherwise logits / temperature, then
-top-k, then top-p (nucleus over the sorted, top-k-filtered distribution), then one uniform
-draw from the row's own ``torch.Generator`` (seeded from ``(job seed, sample index)``) is
-inverted through the CDF. Logprobs are always those of the raw distribution:
-``logit[id] - logsumexp(logits)`` in float32 (the formula of ``openrl.model.numerics``).
+Sampling (``hf_draw.py``): per row, ``temperature == 0`` is argmax; otherwise logits /
+temperature, then top-k, then top-p, then one uniform draw from the row's own
+``torch.Generator`` (seeded from ``(job seed, sample index)``) inverted through the CDF.
+Logprobs are always those of the raw distribution, through
+``openrl.model.logprobs.logprobs_from_logits`` (``logit[id] - logsumexp(logits)`` in
+float32, the trainer's formula). The running batch and its KV cache: ``hf_batch.py``.
 
 Threading: all model work (forwards, adapter loads/unloads) runs on one worker thread, so
 ``MultiLoRAModel``'s routing state is never shared between two forwards.
@@ -35,7 +36,6 @@ Threading: all model work (forwards, adapter loads/unloads) runs on one worker t
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import secrets
 from concurrent.futures import ThreadPoolExecutor
@@ -46,30 +46,25 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from functions.sampler.engine import (
+from functions.sampler.backends.common import load_tokenizer, row_seed, token_ids
+from functions.sampler.backends.hf_batch import RunningBatch, select_cache_rows
+from functions.sampler.backends.hf_draw import draw, draw_k
+from functions.sampler.stops import StopChecker, resolve_stop
+from functions.sampler.types import (
     TOPK_MASK_LOGPROB,
     ModelLimits,
     SampledSequence,
     SampleJob,
     SampleResult,
 )
-from functions.sampler.stops import StopChecker, resolve_stop
 from openrl.errors import OpenRLError, ServerError
+from openrl.model.logprobs import logprobs_from_logits
 from openrl.model.lora import MultiLoRAModel, load_peft_adapter
 
 log = logging.getLogger(__name__)
 
 #: prompt positions per vocabulary-projection chunk when scoring a prompt.
 PROMPT_CHUNK_TOKENS = 1024
-
-
-def row_seed(seed: int, index: int) -> int:
-    """63-bit generator seed of sample ``index`` of a job seeded with ``seed``.
-
-    A hash of ``(seed, index)`` only, so it is stable across processes and batches.
-    """
-    digest = hashlib.sha256(f"openrl-sampler:{int(seed)}:{int(index)}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 @dataclass(eq=False)
@@ -92,6 +87,8 @@ class _Job:
 
 @dataclass(eq=False)
 class _Row:
+    """One sequence being generated (sample ``index`` of ``job``) and what it drew so far."""
+
     job: _Job
     index: int
     gen: torch.Generator | None
@@ -99,29 +96,6 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     topk_ids: list[list[int]] = field(default_factory=list)
     topk_lps: list[list[float]] = field(default_factory=list)
-
-
-class _Batch:
-    """The running rows and their KV cache (touched only by the worker thread).
-
-    Attributes:
-        rows: B running rows.
-        cache: the ``DynamicCache``; each layer's ``keys``/``values`` are
-            [B, kv_heads, L, head_dim] (edited in place when rows leave or join).
-        mask: int64 [B, L], 1 where the cache column holds a real token of the row.
-        next_tok: int64 [B], the last drawn token of each row (not yet in the cache).
-        pos: int64 [B], position id of ``next_tok`` (= tokens of the row in the cache).
-    """
-
-    def __init__(self) -> None:
-        self.rows: list[_Row] = []
-        self.cache: Any = None
-        self.mask: Tensor | None = None
-        self.next_tok: Tensor | None = None
-        self.pos: Tensor | None = None
-
-    def __len__(self) -> int:
-        return len(self.rows)
 
 
 class HFBackend:
@@ -164,17 +138,17 @@ class HFBackend:
         self.device = torch.device(device)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         if tokenizer is None:
-            tokenizer = _load_tokenizer(base_model_dir)
+            tokenizer = load_tokenizer(base_model_dir)
         self.tokenizer = tokenizer
         eos: set[int] = set()
         try:
             gen_cfg = GenerationConfig.from_pretrained(str(base_model_dir))
-            eos |= _ids(gen_cfg.eos_token_id)
+            eos |= token_ids(gen_cfg.eos_token_id)
         except (OSError, ValueError):
             pass
-        eos |= _ids(getattr(cfg, "eos_token_id", None))
+        eos |= token_ids(getattr(cfg, "eos_token_id", None))
         if tokenizer is not None:
-            eos |= _ids(getattr(tokenizer, "eos_token_id", None))
+            eos |= token_ids(getattr(tokenizer, "eos_token_id", None))
         vocab = base.get_input_embeddings().num_embeddings
         ctx = int(getattr(cfg, "max_position_embeddings", 0) or 2**31)
         if max_context is not None:
@@ -189,7 +163,7 @@ class HFBackend:
         self.max_prefill_tokens = max(1, int(max_prefill_tokens))
         self.batch_window_s = float(batch_window_s)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openrl-hf-sampler")
-        self._batch = _Batch()  # worker thread only
+        self._batch = RunningBatch()  # worker thread only
         self._pending: list[_Job] = []  # event loop only, FIFO
         self._running: set[_Job] = set()  # admitted and not finished (event loop only)
         self._active_rows = 0
@@ -268,7 +242,7 @@ class HFBackend:
             self._pending.clear()
             self._running.clear()
             self._active_rows = 0
-            self._batch = _Batch()
+            self._batch = RunningBatch()
         self._loop = loop
         self._wake = asyncio.Event()
         self._task = loop.create_task(self._run(), name="openrl-hf-sampler-loop")
@@ -330,7 +304,7 @@ class HFBackend:
         self._running.clear()
 
     def _reset_batch(self) -> None:
-        self._batch = _Batch()
+        self._batch = RunningBatch()
 
     # ------------------------------------------------------------------ worker thread
 
@@ -418,10 +392,10 @@ class HFBackend:
         if not keep:
             return
         keep_t = src_t[keep]
-        new = _Batch()
+        new = RunningBatch()
         new.rows = [rows[r] for r in keep]
         if len(keep) != len(rows) or G != len(rows):
-            _select_rows(cache, keep_t.to(self.device))
+            select_cache_rows(cache, keep_t.to(self.device))
         new.cache = cache
         new.mask = mask.index_select(0, keep_t)
         new.next_tok = toks[keep]
@@ -454,19 +428,19 @@ class HFBackend:
             logits = self._logits(hidden[None, s:e])[0]  # [c, V] (batch dim kept for LoRA routing)
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
             if want_lp:
-                lps.append((logits.gather(-1, prompt[s + 1 : e + 1, None]) - lse)[:, 0])
+                lps.append(logprobs_from_logits(logits, prompt[s + 1 : e + 1, None], lse)[:, 0])
             if K:
-                v, i = logits.topk(K, dim=-1)
+                i = logits.topk(K, dim=-1).indices
                 tk_ids.append(i)
-                tk_lps.append(v - lse)
+                tk_lps.append(logprobs_from_logits(logits, i, lse))
             if tgt is not None:
                 t = tgt[s:e]
-                g = logits.gather(-1, t.clamp(min=0)) - lse
+                g = logprobs_from_logits(logits, t.clamp(min=0), lse)
                 tgt_lps.append(torch.where(t >= 0, g, torch.zeros((), dtype=g.dtype, device=g.device)))
             if alt_k:
-                drawn = _draw_k(logits, job.temperature, alt_k, alt_gen)  # [c, k]
+                drawn = draw_k(logits, job.temperature, alt_k, alt_gen)  # [c, k]
                 alt_ids.append(drawn)
-                alt_lps.append(logits.gather(-1, drawn) - lse)
+                alt_lps.append(logprobs_from_logits(logits, drawn, lse))
         first = P - job.prompt_logprobs_last_n if job.prompt_logprobs_last_n is not None else 1
         res = SampleResult(sequences=[])
         if want_lp:
@@ -516,12 +490,12 @@ class HFBackend:
 
         Returns (tokens int64 [R] on CPU, finished flags)."""
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        toks = _draw(logits, rows).to(logits.device)
-        lp = (logits.gather(-1, toks[:, None]) - lse)[:, 0].tolist()
+        toks = draw(logits, [r.job.job for r in rows], [r.gen for r in rows]).to(logits.device)
+        lp = logprobs_from_logits(logits, toks[:, None], lse)[:, 0].tolist()
         kmax = max(r.job.job.topk_sample_logprobs for r in rows)
         if kmax:
-            tv, ti = logits.topk(kmax, dim=-1)
-            tv = (tv - lse).tolist()
+            ti = logits.topk(kmax, dim=-1).indices
+            tv = logprobs_from_logits(logits, ti, lse).tolist()
             ti = ti.tolist()
         toks_l = toks.tolist()
         finished: list[bool] = []
@@ -552,147 +526,19 @@ class HFBackend:
                     done.append(job)
         return toks.cpu(), finished
 
-    def _keep(self, b: _Batch, keep: list[int]) -> None:
-        """Keep only rows ``keep`` of the batch; trim all-padding leading cache columns."""
+    def _keep(self, b: RunningBatch, keep: list[int]) -> None:
+        """Keep only rows ``keep`` of the batch (an empty list empties it)."""
         if not keep:
-            self._batch = _Batch()
+            self._batch = RunningBatch()
             return
-        if len(keep) != len(b.rows):
-            idx = torch.tensor(keep, dtype=torch.long)
-            b.rows = [b.rows[i] for i in keep]
-            _select_rows(b.cache, idx.to(self.device))
-            b.mask = b.mask.index_select(0, idx)
-            b.next_tok = b.next_tok.index_select(0, idx)
-            b.pos = b.pos.index_select(0, idx)
-        used = b.mask.any(dim=0).nonzero()
-        c = int(used[0]) if used.numel() else 0
-        if c > 0:
-            b.mask = b.mask[:, c:]
-            for layer in b.cache.layers:
-                layer.keys = layer.keys[..., c:, :]
-                layer.values = layer.values[..., c:, :]
+        b.keep(keep, self.device)
 
-    def _merge(self, new: _Batch) -> None:
-        """Append ``new``'s rows to the running batch, left-padding the shorter cache."""
-        b = self._batch
-        if not b.rows:
+    def _merge(self, new: RunningBatch) -> None:
+        """Append ``new``'s rows to the running batch."""
+        if not self._batch.rows:
             self._batch = new
-            return
-        L, Ln = b.mask.shape[1], new.mask.shape[1]
-        T = max(L, Ln)
-
-        def lpad(x: Tensor, n: int, dim: int) -> Tensor:
-            if n == 0:
-                return x
-            shape = list(x.shape)
-            shape[dim] = n
-            return torch.cat([x.new_zeros(shape), x], dim=dim)
-
-        for layer, nl in zip(b.cache.layers, new.cache.layers):
-            layer.keys = torch.cat([lpad(layer.keys, T - L, 2), lpad(nl.keys, T - Ln, 2)], 0)
-            layer.values = torch.cat([lpad(layer.values, T - L, 2), lpad(nl.values, T - Ln, 2)], 0)
-        b.mask = torch.cat([lpad(b.mask, T - L, 1), lpad(new.mask, T - Ln, 1)], 0)
-        b.rows = b.rows + new.rows
-        b.next_tok = torch.cat([b.next_tok, new.next_tok])
-        b.pos = torch.cat([b.pos, new.pos])
+        else:
+            self._batch.merge(new)
 
 
-# ---------------------------------------------------------------------- helpers
-
-
-def _select_rows(cache: Any, idx: Tensor) -> None:
-    """Keep (or repeat) batch rows ``idx`` of every layer of a ``DynamicCache``, in place."""
-    for layer in cache.layers:
-        layer.keys = layer.keys.index_select(0, idx)
-        layer.values = layer.values.index_select(0, idx)
-
-
-
-def _draw(logits: Tensor, rows: list[_Row]) -> Tensor:
-    """One token per row from float32 logits [R, V] (see the module docstring); int64 [R].
-
-    A row's token depends only on its own logits, parameters and generator: rows with
-    top-k/top-p filtering invert the CDF over the sorted distribution, the others over the
-    vocabulary order, whatever the other rows of the batch do.
-    """
-    R, V = logits.shape
-    out = torch.empty(R, dtype=torch.long)
-    greedy = [r for r, row in enumerate(rows) if row.job.job.temperature == 0]
-    if greedy:
-        x = logits
-        if len(greedy) != R:
-            x = logits.index_select(0, torch.tensor(greedy, dtype=torch.long, device=logits.device))
-        out[greedy] = x.argmax(dim=-1).cpu()
-    plain, filtered = [], []
-    for r, row in enumerate(rows):
-        j = row.job.job
-        if j.temperature > 0:
-            (filtered if (0 < j.top_k < V or j.top_p < 1.0) else plain).append(r)
-    for group, sort in ((plain, False), (filtered, True)):
-        if group:
-            out[group] = _draw_group(logits, rows, group, sort)
-    return out
-
-
-def _draw_group(logits: Tensor, rows: list[_Row], group: list[int], sort: bool) -> Tensor:
-    """Tokens (int64 [n], CPU) for rows ``group`` (temperature > 0) of logits [R, V]."""
-    V = logits.shape[1]
-    dev = logits.device
-    jobs = [rows[r].job.job for r in group]
-    temp = torch.tensor([j.temperature for j in jobs], dtype=torch.float32, device=dev)
-    if len(group) != logits.shape[0]:
-        logits = logits.index_select(0, torch.tensor(group, dtype=torch.long, device=dev))
-    x = logits / temp[:, None]
-    u = torch.cat([torch.rand(1, generator=rows[r].gen) for r in group]).to(dev)  # [n] in [0, 1)
-    order = None
-    if sort:
-        x, order = x.sort(dim=-1, descending=True, stable=True)
-        ranks = torch.arange(V, device=dev)[None, :]
-        kt = torch.tensor([j.top_k if 0 < j.top_k < V else V for j in jobs], device=dev)[:, None]
-        x = x.masked_fill(ranks >= kt, float("-inf"))
-        probs = torch.softmax(x, dim=-1)
-        pt = torch.tensor([float(j.top_p) for j in jobs], dtype=torch.float32, device=dev)[:, None]
-        # drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
-        drop = ((probs.cumsum(dim=-1) - probs) >= pt) & (pt < 1.0)
-        x = x.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    cdf = probs.cumsum(dim=-1)
-    target = (u * cdf[:, -1])[:, None]
-    choice = torch.searchsorted(cdf, target, right=True).clamp(max=V - 1)  # [n, 1]
-    # never land on a zero-probability token through rounding at the top end
-    zero = probs.gather(-1, choice) <= 0
-    if bool(zero.any()):
-        last_nz = (probs > 0).long().cumsum(-1).argmax(-1, keepdim=True)
-        choice = torch.where(zero, last_nz, choice)
-    tok = choice if order is None else order.gather(-1, choice)
-    return tok[:, 0].cpu()
-
-
-def _draw_k(logits: Tensor, temperature: float, k: int, gen: torch.Generator) -> Tensor:
-    """k independent draws per row from softmax(logits / temperature) (argmax when 0);
-    int64 [N, k]."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True).expand(-1, k).contiguous()
-    probs = torch.softmax(logits / temperature, dim=-1).cpu()
-    return torch.multinomial(probs, k, replacement=True, generator=gen).to(logits.device)
-
-
-def _ids(x: Any) -> set[int]:
-    if x is None:
-        return set()
-    if isinstance(x, int):
-        return {x}
-    return {int(i) for i in x}
-
-
-def _load_tokenizer(directory: Path):
-    names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    if not any((directory / n).is_file() for n in names):
-        return None
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(directory))
-    except Exception:  # a model without a usable tokenizer still samples (no stop strings)
-        log.warning("no usable tokenizer in %s; stop strings are disabled", directory, exc_info=True)
-        return None
+__all__ = ["PROMPT_CHUNK_TOKENS", "HFBackend", "row_seed"]

@@ -1,0 +1,311 @@
+"""vLLM sampler backend: multi-LoRA continuous batching on a GPU, behind ``SamplerBackend``.
+
+``functions.sampler.backends.make_backend("vllm", ...)`` (or ``"auto"`` when CUDA and
+``vllm`` are present) builds a
+:class:`VLLMBackend`: one ``vllm.v1.engine.async_llm.AsyncLLM`` per base model, whose engine
+core (scheduler, paged KV cache, CUDA graphs, punica LoRA kernels) batches every request in
+flight across all callers and adapters. Each ``sample`` call becomes one vLLM request (or
+``num_samples`` requests when the job is seeded) awaited on the caller's event loop.
+
+Adapters: ``load_adapter(key, dir)`` registers the PEFT directory under an integer LoRA id
+(``AsyncLLM.add_lora``: read and validated now, so a bad adapter fails the load with a
+``UserError`` rather than a later request); vLLM keeps up to ``max_loras`` of them in GPU
+slots and ``max_cpu_loras`` in host memory, swapping by LRU. Keys are immutable snapshot
+paths, so an id never needs reloading.
+
+The unembedding (``lm_head``) LoRA that the trainer writes when ``train_unembed`` is on
+(Tinker's default) is *dropped with a warning* by default (``unembed_lora="drop"``): vLLM
+0.24 lists ``lm_head`` among Qwen3's LoRA modules, but on a tied-embedding model its
+``lm_head`` is the input embedding and whether the delta is applied to the logits was not
+verified (docs/benchmarks.md, "H200 (issue 8)"). Dropping it changes the sampled
+distribution by exactly that delta; the logprobs returned are then those of the adapter
+without its unembedding part. ``unembed_lora="keep"`` passes it through untouched.
+
+Numerics: vLLM's default ``logprobs_mode="raw_logprobs"`` returns ``log_softmax`` of the raw
+logits in float32 (before temperature / top-k / top-p), the formula of
+``openrl.model.logprobs.logprobs_from_logits`` and the contract of ``functions.sampler.types``;
+the model runs in its config dtype (bf16), as the trainer on GPU does.
+
+The serving knobs are in ``vllm_settings.py``, the CPU-side conversions (adapters, sampling
+parameters, outputs) in ``vllm_convert.py``; both are re-exported here.
+
+Not supported here (a ``UserError`` naming the field): ``target_prompt_logprobs`` and
+``prompt_alt_tokens_k`` (no vLLM equivalent). Everything else of ``SampleJob`` maps onto
+``SamplingParams``: stop token ids (EOS handled as one of them, ``ignore_eos=True``, so
+``stop=[]`` really never stops), stop strings (need the model directory's tokenizer),
+``topk_*_logprobs`` (``logprobs`` / ``prompt_logprobs`` = K, ranks re-sorted), per-sample
+seeds (``seed`` set: one request per sample with seed ``row_seed(seed, i)``, as the
+transformers backend; unseeded jobs use one request with ``n = num_samples``).
+"""
+
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from functions.sampler.backends.common import has_tokenizer_files, load_tokenizer, row_seed
+from functions.sampler.backends.vllm_convert import (
+    check_supported,
+    model_limits,
+    prepare_adapter,
+    prompt_fields,
+    sampling_kwargs,
+    sequence_from_output,
+)
+from functions.sampler.backends.vllm_settings import (
+    CUDAGRAPH_SIZES,
+    DEFAULT_GPU_MEMORY,
+    DEFAULT_MAX_LORAS,
+    DEFAULT_MAX_NUM_SEQS,
+    VLLM_LORA_RANKS,
+    capture_sizes,
+    configure_vllm_env,
+    engine_settings,
+)
+from functions.sampler.stops import resolve_stop
+from functions.sampler.types import SampleJob, SampleResult
+from openrl.errors import ServerError, UserError
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------- backend
+
+
+class VLLMBackend:
+    """``SamplerBackend`` on vLLM's ``AsyncLLM`` (GPU).
+
+    Args:
+        base_model_dir: HF model directory (``config.json`` must name ``architectures``,
+            e.g. ``["Qwen3ForCausalLM"]``: without it vLLM 0.24 picks a pooling runner; a
+            missing entry is a ``ValueError`` here). A tokenizer there enables stop strings.
+        device: must be a CUDA device (``"cuda"`` / ``"cuda:0"``).
+        dtype: float32 means "the config's dtype" (the sampler's CPU default); bf16/fp16 are
+            passed to vLLM.
+        max_batch_rows: vLLM ``max_num_seqs``, sequences decoded together (env
+            ``OPENRL_SAMPLER_MAX_NUM_SEQS``, default 256: :data:`DEFAULT_MAX_NUM_SEQS`).
+        max_context: vLLM ``max_model_len`` cap (default: the model's context).
+        max_loras: adapters resident in GPU slots at once (vLLM ``max_loras``; env
+            ``OPENRL_VLLM_MAX_LORAS``, default 8).
+        max_lora_rank: largest adapter rank accepted (one of :data:`VLLM_LORA_RANKS`; env
+            ``OPENRL_VLLM_MAX_LORA_RANK``, default 32).
+        max_cpu_loras: adapters cached in host memory (default ``max(max_loras, 16)``).
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (weights + KV cache +
+            CUDA graphs; env ``OPENRL_SAMPLER_GPU_MEMORY``, older name ``OPENRL_VLLM_GPU_UTIL``;
+            default 0.40, :data:`DEFAULT_GPU_MEMORY`: the embedded stack's trainer shares the
+            GPU; a sampler alone on its GPU sets 0.85-0.9).
+        unembed_lora: ``"drop"`` (default) or ``"keep"`` (see the module docstring; env
+            ``OPENRL_VLLM_UNEMBED_LORA``).
+        enforce_eager: disable CUDA graphs / torch.compile (faster start, slower decode).
+        engine_kwargs: extra ``AsyncEngineArgs`` fields (e.g. ``compilation_config``);
+            CUDA-graph capture sizes default to :func:`capture_sizes` of ``max_num_seqs``.
+        cache_dir: where converted adapter copies go (default: a temporary directory).
+
+    vLLM's compile cache goes to ``$OPENRL_HOME/cache/vllm`` unless ``VLLM_CACHE_ROOT`` is
+    set (:func:`configure_vllm_env`).
+    """
+
+    def __init__(
+        self,
+        base_model_dir: Path,
+        *,
+        device: str = "cuda",
+        dtype: torch.dtype = torch.float32,
+        max_batch_rows: int | None = None,
+        max_context: int | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
+        max_cpu_loras: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        unembed_lora: str | None = None,
+        enforce_eager: bool = False,
+        engine_kwargs: Mapping[str, Any] | None = None,
+        cache_dir: Path | None = None,
+    ):
+        configure_vllm_env()  # before the first vLLM import: the compile cache in the state dir
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        env = os.environ
+        settings = engine_settings(max_batch_rows=max_batch_rows, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                                   max_cpu_loras=max_cpu_loras, gpu_memory_utilization=gpu_memory_utilization,
+                                   enforce_eager=enforce_eager, engine_kwargs=engine_kwargs)
+        unembed_lora = unembed_lora or env.get("OPENRL_VLLM_UNEMBED_LORA", "drop")
+        if not str(device).startswith("cuda"):
+            raise ValueError(f"the vLLM sampler backend needs a CUDA device, got {device!r}")
+        if unembed_lora not in ("drop", "keep"):
+            raise ValueError(f"unembed_lora must be 'drop' or 'keep', got {unembed_lora!r}")
+        self.base_model_dir = Path(base_model_dir)
+        cfg = json.loads((self.base_model_dir / "config.json").read_text())
+        if not cfg.get("architectures"):
+            raise ValueError(
+                f"{self.base_model_dir}/config.json has no 'architectures'; vLLM would pick a pooling "
+                "runner. Set e.g. architectures=['Qwen3ForCausalLM'] when building the model."
+            )
+        self.tokenizer = None
+        has_tok = has_tokenizer_files(self.base_model_dir)
+        if has_tok:
+            self.tokenizer = load_tokenizer(self.base_model_dir)
+            has_tok = self.tokenizer is not None
+        self.limits = model_limits(self.base_model_dir, max_context, has_tok, self.tokenizer)
+        self.max_lora_rank = int(settings["max_lora_rank"])
+        self.unembed_lora = unembed_lora
+        self._tmp = None
+        if cache_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="openrl-vllm-loras-")
+            cache_dir = Path(self._tmp.name)
+        self.cache_dir = Path(cache_dir)
+        vdtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "auto")
+        kw: dict[str, Any] = dict(
+            model=str(self.base_model_dir),
+            dtype=vdtype,
+            enable_lora=True,
+            max_model_len=int(self.limits.max_context),
+            skip_tokenizer_init=not has_tok,
+            seed=0,
+        )
+        kw.update(settings)
+        self.engine_args = kw
+        log.info("vLLM engine: max_num_seqs=%s max_loras=%s gpu_memory_utilization=%s cache=%s",
+                 kw["max_num_seqs"], kw["max_loras"], kw["gpu_memory_utilization"], env.get("VLLM_CACHE_ROOT"))
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
+        self._ids: dict[str, int] = {}  # adapter key -> LoRA int id
+        self._requests: dict[str, Any] = {}  # key -> LoRARequest
+        self._next_id = 1
+        self._closed = False
+
+    # ------------------------------------------------------------------ adapters
+
+    async def load_adapter(self, key: str, directory: Path) -> None:
+        """Convert if needed (see :func:`prepare_adapter`) and register with vLLM.
+
+        Raises:
+            UserError("model_path", ...): unusable adapter (vLLM's own error included).
+        """
+        from vllm.lora.request import LoRARequest
+
+        if key in self._ids:
+            return
+        dst = self.cache_dir / hashlib.sha256(key.encode()).hexdigest()[:32]
+        path, info = await asyncio.to_thread(
+            prepare_adapter, Path(directory), dst, unembed_lora=self.unembed_lora, max_rank=self.max_lora_rank
+        )
+        lid = self._next_id
+        self._next_id += 1
+        req = LoRARequest(lora_name=key, lora_int_id=lid, lora_path=str(path))
+        try:
+            ok = await self.engine.add_lora(req)
+        except Exception as e:
+            raise UserError("model_path", f"vLLM could not load the adapter: {type(e).__name__}: {e}") from None
+        if ok is False:
+            raise UserError("model_path", "vLLM refused the adapter")
+        self._ids[key] = lid
+        self._requests[key] = req
+
+    async def unload_adapter(self, key: str) -> None:
+        lid = self._ids.pop(key, None)
+        self._requests.pop(key, None)
+        if lid is not None:
+            try:
+                await self.engine.remove_lora(lid)
+            except Exception:  # already evicted from vLLM's caches
+                log.debug("remove_lora(%s) failed", lid, exc_info=True)
+        dst = self.cache_dir / hashlib.sha256(key.encode()).hexdigest()[:32]
+        if dst.exists():
+            await asyncio.to_thread(shutil.rmtree, dst, True)
+
+    # ------------------------------------------------------------------ sampling
+
+    async def sample(self, job: SampleJob) -> SampleResult:
+        """Run one validated job; concurrent calls share vLLM's continuous batches.
+
+        Raises:
+            UserError: a field this backend does not support. ServerError: closed, adapter
+                not loaded, or the vLLM request failed.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._closed:
+            raise ServerError("the sampler backend is closed")
+        check_supported(job)
+        lora = None
+        if job.adapter is not None:
+            lora = self._requests.get(job.adapter)
+            if lora is None:
+                raise ServerError(f"adapter {job.adapter!r} is not loaded in the vLLM backend")
+        ids, strs = resolve_stop(job.stop, self.limits.eos_token_ids)
+        if strs and not self.limits.has_tokenizer:
+            raise UserError("sampling_params.stop", "this model has no tokenizer; use stop token ids")
+        base = sampling_kwargs(job, ids, strs)
+        want_prompt = bool(job.prompt_logprobs or job.topk_prompt_logprobs)
+        prompt = TokensPrompt(prompt_token_ids=list(job.prompt))
+        if job.seed is not None:
+            specs = [dict(n=1, seed=row_seed(int(job.seed), i)) for i in range(job.num_samples)]
+        else:
+            specs = [dict(n=job.num_samples, seed=None)]
+        if want_prompt:
+            specs[0]["prompt_logprobs"] = int(job.topk_prompt_logprobs)
+
+        async def one(spec: dict):
+            sp = SamplingParams(**base, **spec, output_kind=RequestOutputKind.FINAL_ONLY)
+            final = None
+            async for out in self.engine.generate(prompt, sp, uuid.uuid4().hex, lora_request=lora):
+                final = out
+            if final is None or not final.finished:
+                raise ServerError("vLLM request produced no final output")
+            return final
+
+        try:
+            finals = await asyncio.gather(*(one(s) for s in specs))
+        except (UserError, ServerError):
+            raise
+        except Exception as e:
+            raise ServerError(f"vLLM sampling failed: {type(e).__name__}: {e}") from None
+        k = int(job.topk_sample_logprobs)
+        seqs = [sequence_from_output(o, k) for f in finals for o in sorted(f.outputs, key=lambda o: o.index)]
+        res = SampleResult(sequences=seqs[: job.num_samples])
+        if want_prompt:
+            prompt_fields(res, job, finals[0].prompt_logprobs)
+        return res
+
+    async def close(self) -> None:
+        """Shut the engine core down; further calls fail with ``ServerError``."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.engine.shutdown()
+        finally:
+            if self._tmp is not None:
+                self._tmp.cleanup()
+
+
+__all__ = [
+    "CUDAGRAPH_SIZES",
+    "DEFAULT_GPU_MEMORY",
+    "DEFAULT_MAX_LORAS",
+    "DEFAULT_MAX_NUM_SEQS",
+    "VLLMBackend",
+    "VLLM_LORA_RANKS",
+    "capture_sizes",
+    "check_supported",
+    "configure_vllm_env",
+    "engine_settings",
+    "prepare_adapter",
+    "prompt_fields",
+    "sampling_kwargs",
+    "sequence_from_output",
+]

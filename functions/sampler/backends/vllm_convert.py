@@ -1,0 +1,247 @@
+"""The vLLM backend's CPU-side conversions (no vLLM import): trainer adapters to vLLM-ready
+PEFT directories (the ``lm_head`` LoRA dropped or kept), ``SampleJob`` to ``SamplingParams``
+keyword arguments, vLLM outputs to ``SampleResult`` fields, and the model limits read from
+``config.json``.
+
+vLLM computes the logprobs itself, in its engine core (``logprobs_mode="raw_logprobs"``, its
+default): ``log_softmax`` of the raw float32 logits, the formula of
+``openrl.model.logprobs.logprobs_from_logits``; here they are only read out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from functions.sampler.types import (
+    TOPK_MASK_LOGPROB,
+    ModelLimits,
+    SampledSequence,
+    SampleJob,
+    SampleResult,
+)
+from openrl.errors import ServerError, UserError
+from openrl.model.lora import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, UNEMBED_TARGET
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------- adapters
+
+
+def prepare_adapter(
+    src: Path, dst: Path, *, unembed_lora: str = "drop", max_rank: int | None = None
+) -> tuple[Path, dict]:
+    """Make a PEFT adapter directory loadable by vLLM.
+
+    Args:
+        src: directory with ``adapter_model.safetensors`` + ``adapter_config.json`` (the
+            trainer's export: float32 ``base_model.model.<path>.lora_{A,B}.weight``).
+        dst: where a converted copy is written when one is needed (created; replaced).
+        unembed_lora: ``"drop"``: remove ``lm_head`` LoRA tensors and the ``lm_head`` target
+            (warning logged); ``"keep"``: leave them.
+        max_rank: the engine's ``max_lora_rank``; a larger ``r`` is a ``UserError``.
+
+    Returns:
+        ``(directory to give vLLM, info)``: ``src`` itself when nothing had to change, else
+        ``dst``; info = ``{"rank", "alpha", "targets", "dropped": [tensor names]}``.
+
+    Raises:
+        UserError("model_path", ...): files missing/unreadable, rank too large, or nothing
+            left to adapt after dropping.
+    """
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    wpath, cpath = src / ADAPTER_WEIGHTS_NAME, src / ADAPTER_CONFIG_NAME
+    if not wpath.is_file() or not cpath.is_file():
+        raise UserError("model_path", f"{src} holds no PEFT adapter ({ADAPTER_WEIGHTS_NAME} + {ADAPTER_CONFIG_NAME})")
+    try:
+        cfg = json.loads(cpath.read_text())
+        rank = int(cfg["r"])
+    except Exception as e:
+        raise UserError("model_path", f"unreadable adapter config in {src}: {e}") from None
+    if max_rank is not None and rank > max_rank:
+        raise UserError("model_path", f"adapter rank {rank} exceeds the sampler's max_lora_rank {max_rank}")
+    targets = cfg.get("target_modules") or []
+    if isinstance(targets, str):
+        targets = [targets]
+    info = {"rank": rank, "alpha": cfg.get("lora_alpha"), "targets": sorted(targets), "dropped": []}
+    has_unembed = any(str(t).rsplit(".", 1)[-1] == UNEMBED_TARGET for t in targets)
+    if unembed_lora == "keep" or not has_unembed:
+        return src, info
+    if unembed_lora != "drop":
+        raise ValueError(f"unembed_lora must be 'drop' or 'keep', got {unembed_lora!r}")
+    try:
+        sd = load_file(str(wpath))
+    except Exception as e:
+        raise UserError("model_path", f"cannot read adapter weights in {src}: {e}") from None
+
+    def is_unembed(k: str) -> bool:  # base_model.model.lm_head.lora_{A,B}[.default].weight
+        parts = k.split(".")
+        return UNEMBED_TARGET in parts and ("lora_A" in parts or "lora_B" in parts)
+
+    dropped = sorted(k for k in sd if is_unembed(k))
+    kept = {k: v for k, v in sd.items() if k not in dropped}
+    new_targets = [t for t in targets if str(t).rsplit(".", 1)[-1] != UNEMBED_TARGET]
+    if not new_targets or not kept:
+        raise UserError("model_path", "the adapter only adapts lm_head, which the vLLM sampler does not apply")
+    log.warning(
+        "adapter %s: dropping %d lm_head LoRA tensors for vLLM (unembed_lora='drop'); samples and "
+        "logprobs use the adapter without its unembedding delta", src, len(dropped)
+    )
+    cfg = dict(cfg, target_modules=new_targets)
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    save_file(kept, str(dst / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+    (dst / ADAPTER_CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    info["dropped"] = dropped
+    info["targets"] = sorted(new_targets)
+    return dst, info
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+def check_supported(job: SampleJob) -> None:
+    """Raise ``UserError`` for job fields the vLLM backend cannot serve."""
+    if job.target_prompt_ids is not None:
+        raise UserError("target_prompt_logprobs", "not supported by the vLLM sampler backend")
+    if job.prompt_alt_tokens_k:
+        raise UserError("prompt_alt_tokens_k", "not supported by the vLLM sampler backend")
+
+
+def sampling_kwargs(job: SampleJob, stop_ids: frozenset[int], stop_strs: tuple[str, ...]) -> dict:
+    """``vllm.SamplingParams`` keyword arguments for one request of ``job`` (``n``, ``seed``
+    and ``prompt_logprobs`` are set by the caller). ``job.max_tokens`` must be an int."""
+    return dict(
+        temperature=float(job.temperature),
+        top_p=float(job.top_p),
+        top_k=int(job.top_k) if job.top_k and job.top_k > 0 else 0,
+        max_tokens=int(job.max_tokens),
+        ignore_eos=True,  # EOS is in stop_ids unless the job said stop=[]
+        stop_token_ids=sorted(stop_ids),
+        stop=list(stop_strs) or None,
+        include_stop_str_in_output=True,
+        detokenize=bool(stop_strs),
+        logprobs=int(job.topk_sample_logprobs),
+    )
+
+
+def _entries(pos: Any) -> list[tuple[int, float, int]]:
+    """``[(token id, logprob, rank)]`` of one position's vLLM logprobs (a dict of
+    ``Logprob``, or anything with ``items()``)."""
+    return [(int(t), float(lp.logprob), int(getattr(lp, "rank", 0) or 0)) for t, lp in pos.items()]
+
+
+def _topk_row(pos: Any, k: int) -> tuple[list[int], list[float]]:
+    """The K best (id, logprob) of a position, best first, padded with Tinker's mask."""
+    best = sorted(_entries(pos), key=lambda e: (-e[1], e[0]))[:k]
+    ids = [e[0] for e in best] + [0] * (k - len(best))
+    lps = [e[1] for e in best] + [TOPK_MASK_LOGPROB] * (k - len(best))
+    return ids, lps
+
+
+def sequence_from_output(out: Any, k: int) -> SampledSequence:
+    """A ``SampledSequence`` from a vLLM ``CompletionOutput`` requested with ``logprobs=k``.
+
+    The sampled token's logprob is read from each position's dict (vLLM always includes
+    the sampled token); ``finish_reason`` "stop" -> "stop", "length" -> "length".
+
+    Raises:
+        ServerError: the request was aborted or logprobs are missing.
+    """
+    toks = [int(t) for t in out.token_ids]
+    lps_pos = out.logprobs
+    if lps_pos is None or len(lps_pos) != len(toks):
+        raise ServerError("vLLM returned no logprobs for the sampled tokens")
+    lps, tk_i, tk_v = [], [], []
+    for t, pos in zip(toks, lps_pos):
+        d = {e[0]: e[1] for e in _entries(pos)}
+        if t not in d:
+            raise ServerError(f"vLLM logprobs miss the sampled token {t}")
+        lps.append(d[t])
+        if k:
+            i, v = _topk_row(pos, k)
+            tk_i.append(i)
+            tk_v.append(v)
+    reason = out.finish_reason
+    if reason not in ("stop", "length"):
+        raise ServerError(f"vLLM request ended with finish_reason={reason!r}")
+    return SampledSequence(tokens=toks, logprobs=lps, stop_reason=reason, topk=(tk_i, tk_v) if k else None)
+
+
+def prompt_fields(res: SampleResult, job: SampleJob, prompt_lps: Any) -> None:
+    """Fill ``prompt_logprobs`` / ``topk_prompt`` of ``res`` from vLLM's per-prompt-position
+    logprobs (entry 0 None; entry t a dict holding prompt[t] and the top-K)."""
+    P = len(job.prompt)
+    K = job.topk_prompt_logprobs
+    if prompt_lps is None or len(prompt_lps) != P:
+        raise ServerError("vLLM returned no prompt logprobs")
+    first = P - job.prompt_logprobs_last_n if job.prompt_logprobs_last_n is not None else 1
+    if job.prompt_logprobs:
+        vals = [float("nan")]
+        for t in range(1, P):
+            d = {e[0]: e[1] for e in _entries(prompt_lps[t])}
+            vals.append(d[job.prompt[t]] if t >= first and job.prompt[t] in d else float("nan"))
+        res.prompt_logprobs = vals
+    if K:
+        empty_i, empty_v = [0] * K, [TOPK_MASK_LOGPROB] * K
+        ids, lps = [list(empty_i)], [list(empty_v)]
+        for t in range(1, P):
+            if t >= first:
+                i, v = _topk_row(prompt_lps[t], K)
+            else:
+                i, v = list(empty_i), list(empty_v)
+            ids.append(i)
+            lps.append(v)
+        res.topk_prompt = (ids, lps)
+
+
+def model_limits(model_dir: Path, max_context: int | None, has_tokenizer: bool, tokenizer: Any) -> ModelLimits:
+    """Vocabulary size, context (capped at ``max_context``) and EOS ids from
+    ``config.json`` / ``generation_config.json`` (and the tokenizer) without loading weights.
+
+    Raises:
+        OSError / ValueError / KeyError: ``config.json`` missing, unreadable or without
+            ``vocab_size``.
+    """
+    cfg = json.loads((model_dir / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    vocab = int(text["vocab_size"])
+    ctx = int(text.get("max_position_embeddings") or 2**31)
+    if max_context is not None:
+        ctx = min(ctx, int(max_context))
+    eos: set[int] = set()
+
+    def add(x: Any) -> None:
+        if isinstance(x, int):
+            eos.add(x)
+        elif isinstance(x, (list, tuple)):
+            eos.update(int(i) for i in x)
+
+    add(text.get("eos_token_id"))
+    gpath = model_dir / "generation_config.json"
+    if gpath.is_file():
+        try:
+            add(json.loads(gpath.read_text()).get("eos_token_id"))
+        except ValueError:
+            pass
+    if tokenizer is not None:
+        add(getattr(tokenizer, "eos_token_id", None))
+    return ModelLimits(vocab_size=vocab, max_context=ctx, eos_token_ids=frozenset(i for i in eos if 0 <= i < vocab),
+                       has_tokenizer=has_tokenizer)
+
+
+__all__ = [
+    "check_supported",
+    "model_limits",
+    "prepare_adapter",
+    "prompt_fields",
+    "sampling_kwargs",
+    "sequence_from_output",
+]

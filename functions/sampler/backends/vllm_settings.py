@@ -1,0 +1,145 @@
+"""The vLLM backend's serving knobs: engine arguments from explicit values, else the
+environment, else defaults; the environment vLLM reads at import; CUDA-graph capture sizes.
+Imports nothing of vLLM (tests run it without a GPU)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+#: LoRA ranks vLLM 0.24 accepts for ``max_lora_rank``.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+#: Share of the GPU's memory vLLM takes (weights + KV cache + CUDA graphs) when nothing says
+#: otherwise. The embedded stack (``openrl serve``) runs the trainer on the same GPU, and the
+#: trainer takes about 0.45 of it (Qwen3-4B, 8 runs x 1024 tokens co-batched: 51 GB of 141 GB
+#: on an H200), so the sampler keeps to 0.40. A sampler alone on its GPU (the GKE sampler
+#: Service) sets ``OPENRL_SAMPLER_GPU_MEMORY=0.85``..``0.9``.
+DEFAULT_GPU_MEMORY = 0.40
+#: Sequences vLLM decodes together (``max_num_seqs``): at least 128 concurrent samples (an
+#: RL step of 8 runs x 4 prompts x 4 samples) must share one decode batch.
+DEFAULT_MAX_NUM_SEQS = 256
+#: Adapters resident in GPU slots at once (``max_loras``): 8 runs' snapshots sampled together.
+DEFAULT_MAX_LORAS = 8
+#: CUDA-graph batch sizes captured at engine start (those <= ``max_num_seqs``, plus
+#: ``max_num_seqs`` itself): a decode batch is padded up to the next size, so the steps
+#: above 64 stay within 25 % of the batch, and fewer sizes than vLLM's default list (one
+#: every 8) keep the capture at engine start short.
+CUDAGRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
+#: Environment names (first one set wins) of each setting; ``OPENRL_VLLM_GPU_UTIL`` is the
+#: older name of ``OPENRL_SAMPLER_GPU_MEMORY``.
+GPU_MEMORY_ENV = ("OPENRL_SAMPLER_GPU_MEMORY", "OPENRL_VLLM_GPU_UTIL")
+MAX_NUM_SEQS_ENV = ("OPENRL_SAMPLER_MAX_NUM_SEQS", "OPENRL_VLLM_MAX_NUM_SEQS")
+MAX_LORAS_ENV = ("OPENRL_VLLM_MAX_LORAS",)
+MAX_LORA_RANK_ENV = ("OPENRL_VLLM_MAX_LORA_RANK",)
+
+
+def _env_value(names: tuple[str, ...], env: Mapping[str, str]) -> str | None:
+    for n in names:
+        v = env.get(n)
+        if v not in (None, ""):
+            return v
+    return None
+
+
+def configure_vllm_env(env: "os._Environ[str] | dict[str, str] | None" = None) -> dict[str, str]:
+    """Environment vLLM reads at import and engine start; call before importing ``vllm``.
+
+    - ``VLLM_CACHE_ROOT`` (torch.compile artefacts, CUDA-graph and kernel caches): unless set,
+      ``$OPENRL_HOME/cache/vllm`` (default ``~/.openrl/cache/vllm``), so the state directory
+      keeps the compile cache and the second ``openrl serve`` starts the engine faster.
+    - ``VLLM_NO_USAGE_STATS=1`` unless set (no usage reporting from a self-hosted service).
+    - ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` unless set: the sampler process has initialised CUDA
+      (device resolution, ``torch.cuda.is_available()``) before the engine starts, and vLLM's
+      engine-core process then fails with "Cannot re-initialize CUDA in forked subprocess"
+      (seen on the H200, 2026-12-01).
+
+    Returns the values it set (empty when everything was set already).
+    """
+    env = os.environ if env is None else env
+    done: dict[str, str] = {}
+    if not env.get("VLLM_CACHE_ROOT"):
+        home = Path(env.get("OPENRL_HOME") or Path.home() / ".openrl").expanduser()
+        done["VLLM_CACHE_ROOT"] = str(home / "cache" / "vllm")
+    if not env.get("VLLM_NO_USAGE_STATS"):
+        done["VLLM_NO_USAGE_STATS"] = "1"
+    if not env.get("VLLM_WORKER_MULTIPROC_METHOD"):
+        done["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    env.update(done)
+    return done
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """CUDA-graph capture sizes covering batches of 1..``max_num_seqs`` (see :data:`CUDAGRAPH_SIZES`)."""
+    n = max(1, int(max_num_seqs))
+    return sorted({s for s in CUDAGRAPH_SIZES if s <= n} | {n})
+
+
+def engine_settings(
+    *,
+    max_batch_rows: int | None = None,
+    max_loras: int | None = None,
+    max_lora_rank: int | None = None,
+    max_cpu_loras: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    enforce_eager: bool = False,
+    engine_kwargs: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The serving knobs of the vLLM engine: arguments, else environment, else defaults.
+
+    Returns ``AsyncEngineArgs`` fields: ``max_num_seqs`` (:data:`DEFAULT_MAX_NUM_SEQS`),
+    ``max_loras`` (:data:`DEFAULT_MAX_LORAS`), ``max_lora_rank`` (32), ``max_cpu_loras``
+    (``max(max_loras, 16)``), ``gpu_memory_utilization`` (:data:`DEFAULT_GPU_MEMORY`),
+    ``enforce_eager`` and, unless eager or given in ``engine_kwargs``, a
+    ``compilation_config`` with ``cudagraph_capture_sizes`` up to ``max_num_seqs``;
+    ``engine_kwargs`` entries are merged last (a ``compilation_config`` dict key by key).
+
+    Raises:
+        ValueError: a value out of range (rank not in :data:`VLLM_LORA_RANKS`, memory share
+            not in (0, 1], fewer than 1 sequence or adapter).
+    """
+    env = os.environ if env is None else env
+    seqs = int(max_batch_rows or _env_value(MAX_NUM_SEQS_ENV, env) or DEFAULT_MAX_NUM_SEQS)
+    loras = int(max_loras or _env_value(MAX_LORAS_ENV, env) or DEFAULT_MAX_LORAS)
+    rank = int(max_lora_rank or _env_value(MAX_LORA_RANK_ENV, env) or 32)
+    mem = float(gpu_memory_utilization or _env_value(GPU_MEMORY_ENV, env) or DEFAULT_GPU_MEMORY)
+    if rank not in VLLM_LORA_RANKS:
+        raise ValueError(f"max_lora_rank must be one of {VLLM_LORA_RANKS}, got {rank}")
+    if not 0 < mem <= 1:
+        raise ValueError(f"gpu_memory_utilization ({'/'.join(GPU_MEMORY_ENV)}) must be in (0, 1], got {mem}")
+    if seqs < 1 or loras < 1:
+        raise ValueError(f"max_num_seqs and max_loras must be >= 1, got {seqs} and {loras}")
+    kw: dict[str, Any] = dict(
+        max_num_seqs=seqs,
+        max_loras=loras,
+        max_lora_rank=rank,
+        max_cpu_loras=int(max_cpu_loras or max(loras, 16)),
+        gpu_memory_utilization=mem,
+        enforce_eager=bool(enforce_eager),
+    )
+    extra = dict(engine_kwargs or {})
+    if not enforce_eager and not extra.get("enforce_eager"):
+        cc = dict(extra.pop("compilation_config", None) or {})
+        cc.setdefault("cudagraph_capture_sizes", capture_sizes(seqs))
+        kw["compilation_config"] = cc
+    kw.update(extra)
+    return kw
+
+
+__all__ = [
+    "CUDAGRAPH_SIZES",
+    "DEFAULT_GPU_MEMORY",
+    "DEFAULT_MAX_LORAS",
+    "DEFAULT_MAX_NUM_SEQS",
+    "GPU_MEMORY_ENV",
+    "MAX_LORAS_ENV",
+    "MAX_LORA_RANK_ENV",
+    "MAX_NUM_SEQS_ENV",
+    "VLLM_LORA_RANKS",
+    "capture_sizes",
+    "configure_vllm_env",
+    "engine_settings",
+]
