@@ -1,44 +1,33 @@
-"""The gateway's FastAPI application: error mapping, lifecycle, and the route modules.
+"""The gateway's FastAPI application: the body-size cap, the routers, errors and lifecycle.
 
 Routes follow the Tinker wire protocol (docs: ../shared/reference/tinker-wire-protocol.md)
-under ``/api/v1``; ``/events/result`` receives result CloudEvents pushed by Knative
-Eventing (the JetStream binding writes results to the KV bucket directly).
+under ``/api/v1``, every one of them but ``healthz`` behind the API key
+(:func:`functions.gateway.deps.authenticate` as a router dependency; an unknown ``/api/v1``
+path or method also answers 401 without a key, see :mod:`functions.gateway.errors`). Open: ``healthz``,
+``/metrics`` and the signed download URLs. ``/events/result`` receives result CloudEvents
+pushed by Knative Eventing (the JetStream binding writes results to the KV bucket directly),
+behind the internal token when one is configured.
 """
 
 from __future__ import annotations
 
-import json
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Callable
 
-import pydantic
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import JSONResponse
 
+from functions.gateway import errors
 from functions.gateway.context import BodyTooLarge, Gateway, GatewaySettings
+from functions.gateway.deps import authenticate, internal_token
 from openrl.edge.proto import HEAD_BYTES
-from openrl.transport.bus import Bus, FutureWaiter
-from openrl.errors import OpenRLError, UserError
 from openrl.model.registry import ModelRegistry
 from openrl.storage import ExpirySweeper, open_storage
+from openrl.transport.bus import Bus, FutureWaiter
 
+error_response = errors.error_response  # kept importable from here
 
-def error_response(exc: OpenRLError) -> JSONResponse:
-    """A 4xx/5xx JSON body naming the field; never empty (the SDK treats an empty 400 as a proxy error).
-
-    An error with a ``retry_after`` attribute (seconds; the 429 of :class:`openrl.errors.Overloaded`)
-    also gets a ``Retry-After`` header, which the SDK honours.
-    """
-    body = {"detail": exc.message, "category": exc.category}
-    if getattr(exc, "field", None):
-        body["field"] = exc.field
-    headers = None
-    if getattr(exc, "retry_after", None) is not None:
-        headers = {"Retry-After": str(max(1, int(round(exc.retry_after))))}
-    return JSONResponse(status_code=exc.status, content=body, headers=headers)
-
-
-OPEN_PATHS = frozenset({"/api/v1/healthz"})
 # Training routes whose oversize body still names a seq_id the trainer must skip: the route
 # gets the body's first HEAD_BYTES (request.state.oversize = the declared length).
 HEAD_PATHS = frozenset({"/api/v1/forward_backward", "/api/v1/forward"})
@@ -66,60 +55,33 @@ def _head_only(receive, n: int):
     return head_receive
 
 
-class EdgeMiddleware:
-    """Pure ASGI middleware in front of every route: API keys and the body-size cap.
+class BodyCapMiddleware:
+    """Pure ASGI middleware: the body-size cap, which must act before a body is read.
 
-    * ``/api/v1/*`` except :data:`OPEN_PATHS`: the ``X-API-Key`` header must hold a configured
-      key (:class:`openrl.edge.auth.KeyRing`); otherwise 401 with a JSON body naming the header. The
-      :class:`openrl.edge.auth.Caller` is put in ``request.state.caller`` for the routes.
-    * ``/events/*``: the internal token, when one is configured (``X-OpenRL-Internal-Token``
-      header or ``?token=``).
-    * Bodies: a ``Content-Length`` over ``max_body_bytes`` is answered 413 before anything is
-      read (for :data:`HEAD_PATHS` the route answers it, after reading ``HEAD_BYTES`` to skip
-      the seq_id); a chunked body raises :class:`BodyTooLarge` (413) once it passes the limit.
+    ``limit(path)`` is the largest body accepted on ``path`` (bytes). A ``Content-Length`` over
+    it is answered 413 before anything is read (for :data:`HEAD_PATHS` the route answers it,
+    after reading ``HEAD_BYTES`` to skip the seq_id); a chunked body raises
+    :class:`BodyTooLarge` (413) once it passes the limit.
     """
 
-    def __init__(self, app, keys, max_body_bytes: int):
-        self.app, self.keys, self.max_body_bytes = app, keys, max_body_bytes
-
-    @staticmethod
-    def _header(scope, name: bytes) -> str | None:
-        for k, v in scope.get("headers") or ():
-            if k.lower() == name:
-                return v.decode("latin-1")
-        return None
-
-    async def _reject(self, scope, receive, send, status: int, detail: str, field: str) -> None:
-        resp = JSONResponse(status_code=status, content={"detail": detail, "category": "user", "field": field})
-        await resp(scope, receive, send)
+    def __init__(self, app, limit: Callable[[str], int]):
+        self.app, self.limit = app, limit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        from openrl.edge.auth import HEADER, INTERNAL_HEADER, AuthError
-
         path = scope.get("path", "")
-        try:
-            if path.startswith("/api/v1/") and path not in OPEN_PATHS:
-                scope.setdefault("state", {})["caller"] = self.keys.check(self._header(scope, b"x-api-key"))
-            elif path.startswith("/events/") and self.keys.has_internal_token:
-                token = self._header(scope, INTERNAL_HEADER.lower().encode())
-                if token is None:
-                    from urllib.parse import parse_qs
-
-                    token = (parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token") or [None])[0]
-                self.keys.check_internal(token)
-        except AuthError as exc:
-            field = HEADER if path.startswith("/api/v1/") else INTERNAL_HEADER
-            return await self._reject(scope, receive, send, exc.status, exc.message, field)
-        limit = self.max_body_bytes
-        length = self._header(scope, b"content-length")
+        limit = self.limit(path)
+        length = next((v.decode("latin-1") for k, v in scope.get("headers") or () if k.lower() == b"content-length"),
+                      None)
         if length is not None and length.isdigit() and int(length) > limit:
             if path in HEAD_PATHS:  # the route reads the head, skips the seq_id, then answers 413
                 scope.setdefault("state", {})["oversize"] = int(length)
                 return await self.app(scope, _head_only(receive, HEAD_BYTES), send)
-            return await self._reject(scope, receive, send, 413,
-                                      f"body: request body of {length} bytes exceeds the limit of {limit} bytes", "body")
+            resp = JSONResponse(status_code=413, content={
+                "detail": f"body: request body of {length} bytes exceeds the limit of {limit} bytes",
+                "category": "user", "field": "body"})
+            return await resp(scope, receive, send)
         seen = 0
 
         async def capped_receive():
@@ -132,6 +94,21 @@ class EdgeMiddleware:
             return message
 
         return await self.app(scope, capped_receive, send)
+
+
+def api_router() -> APIRouter:
+    """Every ``/api/v1`` route that needs an API key, under one router with
+    :func:`functions.gateway.deps.authenticate` as its dependency."""
+    from functions.gateway import (
+        routes_copy, routes_futures, routes_rest, routes_sampling, routes_session, routes_status, routes_trace,
+        routes_training,
+    )
+
+    api = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
+    for mod in (routes_session, routes_training, routes_sampling, routes_futures, routes_rest, routes_copy,
+                routes_trace, routes_status):
+        api.include_router(mod.router)
+    return api
 
 
 def create_app(
@@ -177,33 +154,18 @@ def create_app(
 
     app = FastAPI(title="openrl gateway", lifespan=lifespan)
     app.state.gw = gw
+    errors.install(app)
 
-    @app.exception_handler(OpenRLError)
-    async def _openrl_error(request: Request, exc: OpenRLError):
-        return error_response(exc)
+    from functions.gateway import routes_download, routes_events, routes_session, routes_status, routes_trace
 
-    @app.exception_handler(pydantic.ValidationError)
-    async def _validation_error(request: Request, exc: pydantic.ValidationError):
-        from openrl.edge.wire import validation_error_to_user_error
-
-        return error_response(validation_error_to_user_error(exc))
-
-    @app.exception_handler(json.JSONDecodeError)
-    async def _json_error(request: Request, exc: json.JSONDecodeError):
-        return error_response(UserError("body", f"malformed JSON: {exc}"))
-
-    from functions.gateway import (
-        routes_copy, routes_download, routes_events, routes_futures, routes_rest, routes_sampling, routes_session,
-        routes_trace, routes_training,
-    )
-
-    for mod in (routes_session, routes_training, routes_sampling, routes_futures, routes_rest, routes_copy,
-                routes_trace, routes_events, routes_download):
-        app.include_router(mod.router)
-    app.add_middleware(EdgeMiddleware, keys=keys, max_body_bytes=gw.settings.max_body_bytes)
-    from functions.gateway import routes_status
-
-    routes_status.install(app)  # GET /metrics, GET /api/v1/status, request metrics + traces (outermost)
+    for public in (routes_session.public, routes_status.public, routes_download.router, routes_trace.public):
+        app.include_router(public)  # no key: healthz, /metrics, signed download URLs
+    app.include_router(api_router())
+    app.include_router(routes_events.router, dependencies=[Depends(internal_token)])
+    # JSON and protobuf API bodies must also fit one NATS message (Gateway.body_limit)
+    app.add_middleware(BodyCapMiddleware, limit=lambda path: gw.body_limit() if path.startswith("/api/")
+                       else gw.settings.max_body_bytes)
+    routes_status.install(app)  # request metrics + traces (outermost)
     return app
 
 

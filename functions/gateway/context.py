@@ -7,7 +7,6 @@ number of gateway replicas can serve the same SDK client.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import time
@@ -77,13 +76,6 @@ class Gateway:
     _http: object | None = None
 
     # ----- identity ---------------------------------------------------------------
-    @staticmethod
-    def owner_of(api_key: str | None) -> str:
-        """A stable, non-reversible owner id for an API key (sha256 prefix; see :mod:`openrl.edge.auth`)."""
-        from openrl.edge.auth import owner_of
-
-        return owner_of(api_key)
-
     def shard_of(self, model_id: str) -> int:
         """Trainer shard of a training run: crc32(model_id) mod trainer_shards."""
         return zlib.crc32(model_id.encode()) % max(1, self.settings.trainer_shards)
@@ -283,18 +275,6 @@ class Gateway:
             await self.bus.futures.delete(kv_key(headers.get("ce-id", "")))
             raise ServerError("the event broker did not accept the request; retry")
 
-    async def touch_model(self, model_id: str, **fields) -> None:
-        """Update last_request_time (and other fields) of a training run record."""
-        from openrl.transport.bus import now_iso
-
-        def upd(old):
-            old = dict(old or {})
-            old["last_request_time"] = now_iso()
-            old.update(fields)
-            return old
-
-        await self.bus.meta_update(upd, "model", model_id)
-
 
 class BodyTooLarge(UserError):
     """A request body over the gateway's limit (HTTP 413, field ``body``)."""
@@ -307,6 +287,3 @@ def require(cond: bool, field_name: str, message: str) -> None:
     if not cond:
         raise UserError(field_name, message)
 
-
-async def to_thread(fn, *args):
-    return await asyncio.to_thread(fn, *args)

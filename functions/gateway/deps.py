@@ -1,63 +1,104 @@
-"""Request helpers shared by the route modules: body parsing, caller identity."""
+"""FastAPI dependencies of the gateway's routes (in the style of the FastAPI full-stack
+template's ``api/deps.py``): the shared :class:`Gateway`, the caller behind the API key, and
+the owner scope of listings.
+
+* :data:`GatewayDep`: the :class:`functions.gateway.context.Gateway` of the running app.
+* :data:`CallerDep`: the :class:`openrl.edge.auth.Caller` of the ``X-API-Key`` header. Every
+  ``/api/v1`` route but ``healthz`` has :func:`authenticate` as a router dependency (see
+  :func:`functions.gateway.app.create_app`), so a request without a configured key gets 401
+  before its route runs; FastAPI caches the result, so a route that asks for the caller gets
+  the same one.
+* :data:`ScopeDep`: whose objects a listing shows (the caller's, or everyone's for an admin key).
+* :data:`OwnedRunDep`: the training run of the path's ``{run_id}`` that the caller may read.
+* :func:`internal_token`: the ``/events/*`` sinks' dependency.
+* :class:`WireRoute`: the route class of every router (response models serialised as
+  :func:`openrl.edge.wire.dump` does).
+"""
 
 from __future__ import annotations
 
-import json
-from typing import TypeVar
+from typing import Annotated
 
-import pydantic
-from fastapi import Request
+from fastapi import Depends, Request, Security
+from fastapi.routing import APIRoute
+from fastapi.security import APIKeyHeader, APIKeyQuery
 
-from functions.gateway.context import BodyTooLarge, Gateway
-from openrl.errors import UserError
+from functions.gateway.context import Gateway
+from openrl.edge.auth import HEADER, INTERNAL_HEADER, Caller
+from openrl.errors import NotFound
 
-M = TypeVar("M", bound=pydantic.BaseModel)
+_api_key = APIKeyHeader(name=HEADER, auto_error=False, description="A configured `tml-` API key")
+_internal_header = APIKeyHeader(name=INTERNAL_HEADER, auto_error=False)
+_internal_query = APIKeyQuery(name="token", auto_error=False)
 
 
-def gw(request: Request) -> Gateway:
-    """The Gateway of the running app."""
+def get_gateway(request: Request) -> Gateway:
+    """The Gateway of the running app (``app.state.gw``, set by ``create_app``)."""
     return request.app.state.gw
 
 
-def caller(request: Request):
-    """The :class:`openrl.edge.auth.Caller` of a request, checked by the gateway's ``EdgeMiddleware``
-    (every ``/api/v1`` route but ``healthz``; a request without a valid key never gets here)."""
-    from openrl.edge.auth import Caller
-
-    c = request.scope.get("state", {}).get("caller")
-    return c if c is not None else Caller(Gateway.owner_of(request.headers.get("x-api-key")))
+GatewayDep = Annotated[Gateway, Depends(get_gateway)]
 
 
-def owner(request: Request) -> str:
-    """Owner id of the caller's API key (``X-API-Key`` header): sha256(key)[:16] hex."""
-    return caller(request).owner
-
-
-def sees_all(request: Request) -> bool:
-    """True for an admin key asking for every owner's objects: query ``access_scope=all``
-    (or the SDK's ``accessible``). Anyone else sees only their own objects."""
-    return caller(request).admin and request.query_params.get("access_scope") in ("all", "accessible")
-
-
-async def parse(request: Request, model: type[M]) -> M:
-    """Read the JSON body and validate it as ``model``.
+def authenticate(request: Request, g: GatewayDep, key: Annotated[str | None, Security(_api_key)]) -> Caller:
+    """The caller behind the ``X-API-Key`` header (also kept in ``request.state.caller``).
 
     Raises:
-        BodyTooLarge: body over the limit (413).
-        UserError: not JSON, or a field fails validation (named).
+        openrl.edge.auth.AuthError: no key, or one that is not configured (401 naming the header).
     """
-    raw = await request.body()
-    if len(raw) > gw(request).body_limit():
-        raise BodyTooLarge("body", f"request body of {len(raw)} bytes exceeds the limit")
-    try:
-        data = json.loads(raw or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError("body", f"malformed JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise UserError("body", "expected a JSON object")
-    try:
-        return model.model_validate(data)
-    except pydantic.ValidationError as exc:
-        from openrl.edge.wire import validation_error_to_user_error
+    caller = g.keys.check(key)
+    request.state.caller = caller
+    return caller
 
-        raise validation_error_to_user_error(exc) from exc
+
+CallerDep = Annotated[Caller, Depends(authenticate)]
+
+
+def listing_scope(caller: CallerDep, access_scope: str | None = None) -> str | None:
+    """The owner whose objects a listing or read shows: the caller's own, or None (every
+    owner) for an admin key that asks with ``access_scope=all`` (or the SDK's ``accessible``)."""
+    return None if caller.admin and access_scope in ("all", "accessible") else caller.owner
+
+
+ScopeDep = Annotated[str | None, Depends(listing_scope)]
+
+
+async def owned_run(run_id: str, g: GatewayDep, scope: ScopeDep) -> dict:
+    """The training-run record of path parameter ``run_id`` that the caller may read: its own
+    (any, for an admin listing all).
+
+    Raises:
+        NotFound: unknown, or another key's run (404 naming ``training_run_id``).
+    """
+    if scope is not None:
+        return await g.model(run_id, scope, "training_run_id")
+    rec = await g.bus.meta_get("model", run_id)
+    if rec is None:
+        raise NotFound("training_run_id", f"unknown training run {run_id!r}")
+    return rec
+
+
+OwnedRunDep = Annotated[dict, Depends(owned_run)]
+
+
+def internal_token(g: GatewayDep, header: Annotated[str | None, Security(_internal_header)],
+                   query: Annotated[str | None, Security(_internal_query)]) -> None:
+    """Router dependency of ``/events/*``: when ``OPENRL_INTERNAL_TOKEN`` is configured, the
+    ``X-OpenRL-Internal-Token`` header (or, for Trigger URIs that cannot carry headers, the
+    ``?token=`` query parameter) must hold it.
+
+    Raises:
+        openrl.edge.auth.AuthError: missing or wrong token (401).
+    """
+    if g.keys.has_internal_token:
+        g.keys.check_internal(header if header is not None else query)
+
+
+class WireRoute(APIRoute):
+    """A route whose ``response_model`` (an :mod:`openrl.edge.wire` response model) is
+    serialised as :func:`openrl.edge.wire.dump` does: ``None`` fields are left out. Routes
+    without a ``response_model`` send their dict as it is."""
+
+    def __init__(self, path: str, endpoint, **kwargs):
+        kwargs["response_model_exclude_none"] = True
+        super().__init__(path, endpoint, **kwargs)

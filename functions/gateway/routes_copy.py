@@ -7,7 +7,7 @@ source's kind (``weights`` / ``sampler_weights``) and name, gets its own expiry
 (``ttl_seconds``; the source's is not inherited) and is private. Its bytes are shared with
 the source inside the store (hard links, or a GCS server-side copy), never sent through the
 gateway. The new run holds no trainer state and cannot be trained on: training calls on it
-answer 400 naming ``model_id`` (:func:`functions.gateway.routes_training.refuse_frozen`); ``create_training_client_from_state`` of the copy trains a
+answer 400 naming ``model_id`` (:func:`functions.gateway.runs.refuse_frozen`); ``create_training_client_from_state`` of the copy trains a
 new run from it. A retried call with the same ``X-Idempotency-Key`` gets the first copy.
 """
 
@@ -16,23 +16,24 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Header
 
-from functions.gateway.deps import gw, owner, parse
-from functions.gateway.routes_training import _owned_manifest, model_id_for
+from functions.gateway.deps import CallerDep, GatewayDep, WireRoute
+from functions.gateway.runs import add_to_session, model_id_for, readable_manifest
 from openrl.edge import wire
 from openrl.transport.bus import now_iso
 from openrl.errors import NotSupported, UserError
 from openrl.storage import TinkerPath
 
-router = APIRouter(prefix="/api/v1")
-
-IDEMPOTENCY_HEADER = "x-idempotency-key"
+router = APIRouter(route_class=WireRoute)
 
 
 @router.post("/copy_weights")
-async def copy_weights(request: Request) -> dict:
+async def copy_weights(req: wire.CopyWeightsRequest, g: GatewayDep, caller: CallerDep,
+                       x_idempotency_key: Annotated[str | None, Header()] = None,
+                       x_tinker_weights_access_token: Annotated[str | None, Header()] = None) -> dict:
     """Returns ``{"tinker_path": "tinker://<new run>/<kind>/<name>"}``.
 
     Raises:
@@ -40,14 +41,13 @@ async def copy_weights(request: Request) -> dict:
         NotFound: ``source_path`` is not readable by the caller; ``session_id`` is not theirs.
         NotSupported: ``X-Tinker-Weights-Access-Token`` (this server issues no access tokens).
     """
-    req = await parse(request, wire.CopyWeightsRequest)
-    g, who = gw(request), owner(request)
-    if request.headers.get("x-tinker-weights-access-token"):
+    who = caller.owner
+    if x_tinker_weights_access_token:
         raise NotSupported("weights_access_token", "this server issues no weights access tokens; a checkpoint "
                            "your API key can read (your own, or a published one) needs none")
     src = TinkerPath.parse(req.source_path, field="source_path")
-    m = await _owned_manifest(g, src, who, "source_path")
-    idem = request.headers.get(IDEMPOTENCY_HEADER)
+    m = await readable_manifest(g, src, who, "source_path")
+    idem = x_idempotency_key
     if idem:
         done = await g.bus.meta_get("copy", who, idem)
         if done is not None:
@@ -74,13 +74,7 @@ async def copy_weights(request: Request) -> dict:
     }
     if not await g.bus.meta_create(rec, "model", model_id):
         raise UserError("model_seq_id", f"training run {model_id!r} already exists; pick an unused model_seq_id")
-
-    def add(old):
-        old = dict(old or {})
-        old.setdefault("training_run_ids", []).append(model_id)
-        return old
-
-    await g.bus.meta_update(add, "session", session_id)
+    await add_to_session(g, session_id, "training_run_ids", model_id)
     dst = TinkerPath.parse(f"tinker://{model_id}/{src.kind}/{src.name}", field="source_path")
     now = time.time()
     manifest = {

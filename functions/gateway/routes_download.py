@@ -32,7 +32,7 @@ from urllib.parse import quote
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse
 
-from functions.gateway.deps import gw
+from functions.gateway.deps import get_gateway
 from openrl.errors import NotFound, UserError
 from openrl.storage import TinkerPath, check_name
 
@@ -55,7 +55,7 @@ async def _secret(request: Request) -> bytes:
     cached = getattr(request.app.state, "download_secret", None)
     if cached:
         return cached
-    bus = gw(request).bus
+    bus = get_gateway(request).bus
     rec = await bus.meta_get("config", "download_secret")
     if rec is None:
         await bus.meta_create({"secret": secrets.token_hex(32)}, "config", "download_secret")
@@ -104,7 +104,7 @@ async def external_weights_urls(request: Request, path: TinkerPath, manifest: di
     ttl = url_ttl_s()
     expires_unix = int(time.time()) + ttl
     expires = datetime.fromtimestamp(expires_unix, tz=timezone.utc)
-    storage = gw(request).storage
+    storage = get_gateway(request).storage
     urls = None
     if storage.url.startswith("gs://") or type(storage).__name__ == "GCSStorage":
         urls = await asyncio.to_thread(_gcs_signed_urls, storage, path, files, timedelta(seconds=ttl))
@@ -139,7 +139,7 @@ async def download(run_id: str, kind: str, name: str, file: str, request: Reques
     want = signature(await _secret(request), path, file, expires)
     if not hmac.compare_digest(want, sig):
         return _forbidden("bad download URL signature")
-    g = gw(request)
+    g = get_gateway(request)
     m = await asyncio.to_thread(g.storage.manifest, path)
     exp = (m or {}).get("expires_unix")
     if m is None or file not in (m.get("files") or {}) or (exp and exp <= time.time()):
@@ -184,7 +184,7 @@ async def download_archive(run_id: str, kind: str, name: str, request: Request, 
         return _forbidden("archive URL expired or unsigned; ask for a new one")
     if not hmac.compare_digest(signature(await _secret(request), path, ARCHIVE, expires), sig):
         return _forbidden("bad archive URL signature")
-    g = gw(request)
+    g = get_gateway(request)
     m = await asyncio.to_thread(g.storage.manifest, path)
     exp = (m or {}).get("expires_unix")
     if m is None or (exp and exp <= time.time()):

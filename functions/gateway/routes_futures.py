@@ -10,21 +10,25 @@ from __future__ import annotations
 
 import json
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from functions.gateway.deps import gw, owner, parse
+from functions.gateway.deps import CallerDep, GatewayDep, WireRoute
 from openrl.edge import wire
 from openrl.errors import NotFound
 
-router = APIRouter(prefix="/api/v1")
+router = APIRouter(route_class=WireRoute)
 
 
-@router.post("/retrieve_future")
-async def retrieve_future(request: Request):
-    req = await parse(request, wire.RetrieveFutureRequest)
-    g = gw(request)
-    who = owner(request)
+@router.post("/retrieve_future", response_model=wire.TryAgainResponse)
+async def retrieve_future(req: wire.RetrieveFutureRequest, g: GatewayDep, caller: CallerDep):
+    """Hold the poll up to ``long_poll_s``: ``try_again`` (the response model) while pending,
+    else the stored result as sent by the worker (protobuf or JSON, or a failure body).
+
+    Raises:
+        NotFound: unknown future, or another key's.
+    """
+    who = caller.owner
 
     def check(rec) -> None:
         if rec is None or (rec.meta or {}).get("owner") != who:  # unknown, or another key's (or nobody's)

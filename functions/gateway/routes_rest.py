@@ -14,13 +14,14 @@ import time
 
 from fastapi import APIRouter, Request
 
-from functions.gateway.deps import caller, gw, owner, parse, sees_all
-from functions.gateway.routes_training import _owned_manifest
+from functions.gateway.context import Gateway
+from functions.gateway.deps import CallerDep, GatewayDep, OwnedRunDep, ScopeDep, WireRoute
+from functions.gateway.runs import readable_manifest
 from openrl.edge import wire
 from openrl.errors import NotFound, UserError
 from openrl.storage import TinkerPath
 
-router = APIRouter(prefix="/api/v1")
+router = APIRouter(route_class=WireRoute)
 
 
 def checkpoint_json(m: dict) -> dict:
@@ -69,47 +70,28 @@ def training_run_json(rec: dict, ckpts: list[dict]) -> dict:
     }
 
 
-@router.post("/weights_info")
-async def weights_info(request: Request) -> dict:
-    req = await parse(request, wire.WeightsInfoRequest)
-    g = gw(request)
-    m = await _owned_manifest(g, TinkerPath.parse(req.tinker_path, field="tinker_path"), owner(request), "tinker_path")
+@router.post("/weights_info", response_model=wire.WeightsInfoResponse)
+async def weights_info(req: wire.WeightsInfoRequest, g: GatewayDep, caller: CallerDep) -> dict:
+    m = await readable_manifest(g, TinkerPath.parse(req.tinker_path, field="tinker_path"), caller.owner, "tinker_path")
     lora = m.get("lora_config") or {}
-    return {
+    out = {
         "base_model": m.get("base_model"),
         "is_lora": True,
         "lora_rank": lora.get("rank"),
         "train_unembed": lora.get("train_unembed"),
         "train_mlp": lora.get("train_mlp"),
         "train_attn": lora.get("train_attn"),
-        "optimizer_config": m.get("optimizer_config"),
     }
+    if m.get("optimizer_config") is not None:  # else the model's default (adamw)
+        out["optimizer_config"] = m["optimizer_config"]
+    return out
 
 
-def _scope(request: Request) -> str | None:
-    """The owner whose objects a listing shows: the caller's, or None (all) for an admin key
-    with ``access_scope=all`` / ``accessible``."""
-    return None if sees_all(request) else owner(request)
-
-
-async def _run_record(request: Request, run_id: str) -> dict:
-    """A training-run record the caller may read (own; any for an admin listing all), else 404."""
-    g = gw(request)
-    who = _scope(request)
-    if who is not None:
-        return await g.model(run_id, who, "training_run_id")
-    rec = await g.bus.meta_get("model", run_id)
-    if rec is None:
-        raise NotFound("training_run_id", f"unknown training run {run_id!r}")
-    return rec
-
-
-@router.get("/training_runs")
-async def list_training_runs(request: Request, limit: int = 20, offset: int = 0, project_id: str | None = None) -> dict:
+@router.get("/training_runs", response_model=wire.TrainingRunsResponse)
+async def list_training_runs(g: GatewayDep, who: ScopeDep, limit: int = 20, offset: int = 0,
+                             project_id: str | None = None) -> dict:
     """Newest first; ``project_id`` keeps the runs of sessions in that project (see
     :func:`assign_session_project`)."""
-    g = gw(request)
-    who = _scope(request)
     recs = [r for r in await g.bus.meta_list("model") if who is None or r.get("owner") == who]
     if project_id is not None:
         in_project = {r["session_id"] for r in await g.bus.meta_list("session") if r.get("project_id") == project_id}
@@ -120,24 +102,18 @@ async def list_training_runs(request: Request, limit: int = 20, offset: int = 0,
     return {"training_runs": runs, "cursor": {"offset": offset, "limit": limit, "total_count": len(recs)}}
 
 
-@router.get("/training_runs/{run_id}")
-async def get_training_run(run_id: str, request: Request) -> dict:
-    rec = await _run_record(request, run_id)
-    return training_run_json(rec, await _run_checkpoints(gw(request), run_id, _scope(request)))
+@router.get("/training_runs/{run_id}", response_model=wire.TrainingRun)
+async def get_training_run(run_id: str, run: OwnedRunDep, g: GatewayDep, who: ScopeDep) -> dict:
+    return training_run_json(run, await _run_checkpoints(g, run_id, who))
 
 
-@router.get("/training_runs/{run_id}/checkpoints")
-async def list_checkpoints(run_id: str, request: Request) -> dict:
-    g = gw(request)
-    who = _scope(request)
-    await _run_record(request, run_id)
+@router.get("/training_runs/{run_id}/checkpoints", response_model=wire.CheckpointsListResponse)
+async def list_checkpoints(run_id: str, run: OwnedRunDep, g: GatewayDep, who: ScopeDep) -> dict:
     return {"checkpoints": [checkpoint_json(m) for m in await _run_checkpoints(g, run_id, who)], "cursor": None}
 
 
-@router.get("/checkpoints")
-async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
-    g = gw(request)
-    who = _scope(request)
+@router.get("/checkpoints", response_model=wire.CheckpointsListResponse)
+async def list_user_checkpoints(g: GatewayDep, who: ScopeDep, limit: int = 100, offset: int = 0) -> dict:
     recs = [r for r in await g.bus.meta_list("model") if who is None or r.get("owner") == who]
     allm: list[dict] = []
     for r in recs:
@@ -148,16 +124,15 @@ async def list_user_checkpoints(request: Request, limit: int = 100, offset: int 
             "cursor": {"offset": offset, "limit": limit, "total_count": len(allm)}}
 
 
-async def _checkpoint(request: Request, run_id: str, checkpoint_id: str) -> tuple[TinkerPath, dict]:
-    """The caller's live checkpoint ``<kind>/<name>`` of run ``run_id`` (path + manifest).
+async def _checkpoint(g: Gateway, owner: str, run_id: str, checkpoint_id: str) -> tuple[TinkerPath, dict]:
+    """``owner``'s live checkpoint ``<kind>/<name>`` of run ``run_id`` (path + manifest).
 
     Raises:
         UserError: not a ``<kind>/<name>`` id. NotFound: absent, expired, or another key's.
     """
-    g = gw(request)
     path = TinkerPath.parse(f"tinker://{run_id}/{checkpoint_id}", field="checkpoint_id")
     m = await asyncio.to_thread(g.storage.manifest, path)
-    if m is None or m.get("owner") != owner(request) or not _live(m):
+    if m is None or m.get("owner") != owner or not _live(m):
         raise NotFound("checkpoint_id", f"no checkpoint {checkpoint_id!r} in training run {run_id!r}")
     return path, m
 
@@ -169,75 +144,75 @@ CKPT = "/training_runs/{run_id}/checkpoints/{kind}/{name}"
 
 
 @router.delete(CKPT)
-async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request) -> dict:
-    path, _ = await _checkpoint(request, run_id, f"{kind}/{name}")
-    await asyncio.to_thread(gw(request).storage.delete, path)
+async def delete_checkpoint(run_id: str, kind: str, name: str, g: GatewayDep, caller: CallerDep) -> dict:
+    path, _ = await _checkpoint(g, caller.owner, run_id, f"{kind}/{name}")
+    await asyncio.to_thread(g.storage.delete, path)
     return {"deleted": str(path)}
 
 
-async def _set_public(request: Request, run_id: str, checkpoint_id: str, public: bool) -> dict:
+async def _set_public(g: Gateway, owner: str, run_id: str, checkpoint_id: str, public: bool) -> dict:
     """Publish / unpublish. Already in that state: 400 (hosted Tinker answers 409, which the SDK
     would retry for 5 minutes before failing)."""
-    path, m = await _checkpoint(request, run_id, checkpoint_id)
+    path, m = await _checkpoint(g, owner, run_id, checkpoint_id)
     if bool(m.get("public")) == public:
         raise UserError("checkpoint_id", f"checkpoint is already {'public' if public else 'private'}")
     m["public"] = public
-    await asyncio.to_thread(gw(request).storage.write_manifest, path, m)
+    await asyncio.to_thread(g.storage.write_manifest, path, m)
     return {"public": public}
 
 
 @router.post(CKPT + "/publish")
-async def publish(run_id: str, kind: str, name: str, request: Request) -> dict:
-    return await _set_public(request, run_id, f"{kind}/{name}", True)
+async def publish(run_id: str, kind: str, name: str, g: GatewayDep, caller: CallerDep) -> dict:
+    return await _set_public(g, caller.owner, run_id, f"{kind}/{name}", True)
 
 
 @router.delete(CKPT + "/publish")
-async def unpublish(run_id: str, kind: str, name: str, request: Request) -> dict:
-    return await _set_public(request, run_id, f"{kind}/{name}", False)
+async def unpublish(run_id: str, kind: str, name: str, g: GatewayDep, caller: CallerDep) -> dict:
+    return await _set_public(g, caller.owner, run_id, f"{kind}/{name}", False)
 
 
 @router.put(CKPT + "/ttl")
-async def set_ttl(run_id: str, kind: str, name: str, request: Request) -> dict:
+async def set_ttl(run_id: str, kind: str, name: str, req: wire.TtlRequest, g: GatewayDep, caller: CallerDep) -> dict:
     """Set (``ttl_seconds``, counted from now) or clear (null) a checkpoint's expiry."""
-    req = await parse(request, wire.TtlRequest)
-    path, m = await _checkpoint(request, run_id, f"{kind}/{name}")
+    path, m = await _checkpoint(g, caller.owner, run_id, f"{kind}/{name}")
     m["ttl_seconds"] = req.ttl_seconds
     m["expires_unix"] = (time.time() + req.ttl_seconds) if req.ttl_seconds else None
-    await asyncio.to_thread(gw(request).storage.write_manifest, path, m)
+    await asyncio.to_thread(g.storage.write_manifest, path, m)
     return {"ttl_seconds": req.ttl_seconds}
 
 
-@router.get(CKPT + "/external_weights_urls")
-async def get_external_weights_urls(run_id: str, kind: str, name: str, request: Request) -> dict:
+@router.get(CKPT + "/external_weights_urls", response_model=wire.ExternalWeightsUrlsResponse)
+async def get_external_weights_urls(run_id: str, kind: str, name: str, request: Request, g: GatewayDep,
+                                    caller: CallerDep) -> dict:
     """Signed, expiring download URLs for every file of the checkpoint (see
     :mod:`functions.gateway.routes_download`)."""
     from functions.gateway.routes_download import external_weights_urls
 
-    path, m = await _checkpoint(request, run_id, f"{kind}/{name}")
+    path, m = await _checkpoint(g, caller.owner, run_id, f"{kind}/{name}")
     return await external_weights_urls(request, path, m)
 
 
 @router.get(CKPT + "/archive")
-async def get_checkpoint_archive_url(run_id: str, kind: str, name: str, request: Request) -> dict:
+async def get_checkpoint_archive_url(run_id: str, kind: str, name: str, request: Request, g: GatewayDep,
+                                     caller: CallerDep) -> dict:
     """Older SDKs' ``RestClient.get_checkpoint_archive_url``: ``{url, expires}`` of a signed
     ``.tar`` of the checkpoint (see :func:`functions.gateway.routes_download.archive_url`)."""
     from functions.gateway.routes_download import archive_url
 
-    path, m = await _checkpoint(request, run_id, f"{kind}/{name}")
+    path, m = await _checkpoint(g, caller.owner, run_id, f"{kind}/{name}")
     return await archive_url(request, path, m)
 
 
-@router.get("/sessions")
-async def list_sessions(request: Request, limit: int = 20, offset: int = 0) -> dict:
-    who = _scope(request)
-    recs = [r for r in await gw(request).bus.meta_list("session") if who is None or r.get("owner") == who]
+@router.get("/sessions", response_model=wire.ListSessionsResponse)
+async def list_sessions(g: GatewayDep, who: ScopeDep, limit: int = 20, offset: int = 0) -> dict:
+    recs = [r for r in await g.bus.meta_list("session") if who is None or r.get("owner") == who]
     recs.sort(key=lambda r: r.get("created", ""), reverse=True)
     return {"sessions": [r["session_id"] for r in recs[offset : offset + limit]]}
 
 
-@router.get("/sessions/{session_id}")
-async def get_session(session_id: str, request: Request) -> dict:
-    rec = await gw(request).session(session_id, owner(request))
+@router.get("/sessions/{session_id}", response_model=wire.GetSessionResponse)
+async def get_session(session_id: str, g: GatewayDep, caller: CallerDep) -> dict:
+    rec = await g.session(session_id, caller.owner)
     return {
         "training_run_ids": rec.get("training_run_ids", []),
         "sampler_ids": rec.get("sampler_ids", []),
@@ -250,13 +225,12 @@ async def get_session(session_id: str, request: Request) -> dict:
 
 
 @router.put("/sessions/{session_id}/project")
-async def assign_session_project(session_id: str, request: Request) -> dict:
+async def assign_session_project(session_id: str, req: wire.SetSessionProjectRequest, g: GatewayDep,
+                                 caller: CallerDep) -> dict:
     """``RestClient.assign_session_project``: record the session's project id. Projects are plain
     labels here (no membership or access control): ``list_training_runs(project_id=...)`` and
     ``search_sessions(project_ids=...)`` filter by it."""
-    req = await parse(request, wire.SetSessionProjectRequest)
-    g = gw(request)
-    await g.session(session_id, owner(request))
+    await g.session(session_id, caller.owner)
     if not req.project_id:
         raise UserError("project_id", "required")
 
@@ -277,7 +251,7 @@ def _session_status(rec: dict) -> dict:
 
 
 @router.post("/sessions/search")
-async def search_sessions(request: Request) -> dict:
+async def search_sessions(request: Request, g: GatewayDep, caller: CallerDep) -> dict:
     """``RestClient.search_sessions`` (experimental in the SDK): the caller's sessions, newest
     first, filtered by ``session_id`` / ``display_name`` (either matches), ``project_ids``,
     ``user_metadata`` (every pair) and ``statuses``; ``limit`` + ``cursor`` paging.
@@ -290,10 +264,9 @@ async def search_sessions(request: Request) -> dict:
     from openrl.errors import NotSupported
 
     body = _json.loads(await request.body() or b"{}")
-    g = gw(request)
-    who = owner(request)
+    who = caller.owner
     own = (body.get("owner") or {}).get("type", "own")
-    if own != "own" and not caller(request).admin:
+    if own != "own" and not caller.admin:
         raise NotSupported("owner", "searching other owners' sessions needs an admin key")
     recs = [r for r in await g.bus.meta_list("session") if own != "own" or r.get("owner") == who]
     sid, name = body.get("session_id"), body.get("display_name")

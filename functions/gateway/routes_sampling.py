@@ -6,32 +6,28 @@ path); the sampler is stateless, so every sample event carries both.
 
 from __future__ import annotations
 
-import asyncio
-
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
 from functions.gateway.context import require
-from functions.gateway.deps import gw, owner, parse
-from functions.gateway.routes_training import _owned_manifest
+from functions.gateway.deps import CallerDep, GatewayDep, WireRoute
+from functions.gateway.runs import add_to_session, readable_manifest
 from openrl.contract import payloads
 from openrl.edge import wire
 from openrl.transport.bus import SAMPLE_STREAM, now_iso
 from openrl.storage import TinkerPath
 
-router = APIRouter(prefix="/api/v1")
+router = APIRouter(route_class=WireRoute)
 
 
-@router.post("/create_sampling_session")
-async def create_sampling_session(request: Request) -> dict:
-    req = await parse(request, wire.CreateSamplingSessionRequest)
-    g = gw(request)
-    who = owner(request)
+@router.post("/create_sampling_session", response_model=wire.CreateSamplingSessionResponse)
+async def create_sampling_session(req: wire.CreateSamplingSessionRequest, g: GatewayDep, caller: CallerDep) -> dict:
+    who = caller.owner
     await g.session(req.session_id, who)
     sid = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
     if req.model_path:
         ckpt = TinkerPath.parse(req.model_path, field="model_path")
         require(ckpt.kind in ("sampler_weights", "weights"), "model_path", "expected a sampler_weights or weights path")
-        manifest = await _owned_manifest(g, ckpt, who, "model_path")
+        manifest = await readable_manifest(g, ckpt, who, "model_path")
         base = manifest.get("base_model")
         path = str(ckpt)
     else:
@@ -41,33 +37,27 @@ async def create_sampling_session(request: Request) -> dict:
     rec = {"sampler_id": sid, "owner": who, "base_model": base, "model_path": path,
            "session_id": req.session_id, "created": now_iso()}
     await g.bus.meta_put(rec, "sampler", sid)
-
-    def add(old):
-        old = dict(old or {})
-        old.setdefault("sampler_ids", []).append(sid)
-        return old
-
-    await g.bus.meta_update(add, "session", req.session_id)
+    await add_to_session(g, req.session_id, "sampler_ids", sid)
     return {"sampling_session_id": sid}
 
 
-@router.get("/samplers/{sampler_id}")
-async def get_sampler(sampler_id: str, request: Request) -> dict:
-    rec = await gw(request).sampler(sampler_id, owner(request))
+@router.get("/samplers/{sampler_id}", response_model=wire.SamplerInfo)
+async def get_sampler(sampler_id: str, g: GatewayDep, caller: CallerDep) -> dict:
+    rec = await g.sampler(sampler_id, caller.owner)
     out = {"sampler_id": rec["sampler_id"], "base_model": rec["base_model"]}
     if rec.get("model_path"):
         out["model_path"] = rec["model_path"]
     return out
 
 
-@router.post("/asample")
-async def asample(request: Request) -> dict:
-    req = await parse(request, wire.SampleRequest)
-    g = gw(request)
+@router.post("/asample", response_model=wire.UntypedAPIFuture)
+async def asample(req: wire.SampleRequest, g: GatewayDep, caller: CallerDep) -> dict:
+    """Validate a sample request of the caller's sampling session and publish it; the future
+    handle names one sequence id per requested sample."""
     s = g.settings
     sid = req.sampling_session_id
     require(sid is not None, "sampling_session_id", "required")
-    rec = await g.sampler(sid, owner(request))
+    rec = await g.sampler(sid, caller.owner)
     require(1 <= req.num_samples <= s.max_num_samples, "num_samples", f"must be between 1 and {s.max_num_samples}")
     mt = req.sampling_params.max_tokens
     require(mt is None or 1 <= mt <= s.max_tokens_limit, "sampling_params.max_tokens",

@@ -8,23 +8,24 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from functions.gateway.deps import caller, gw, owner, parse
+from functions.gateway.deps import CallerDep, GatewayDep, WireRoute
 from openrl.edge import wire
 from openrl.transport.bus import now_iso
 
-router = APIRouter(prefix="/api/v1")
+router = APIRouter(route_class=WireRoute)  # under /api/v1, behind the API key (functions/gateway/app.py)
+public = APIRouter(prefix="/api/v1", route_class=WireRoute)  # no key
 
 
-@router.post("/client/config")
-async def client_config(request: Request) -> dict:
+@router.post("/client/config", response_model=wire.ClientConfigResponse)
+async def client_config(g: GatewayDep) -> dict:
     """ClientConfigResponse. Plain X-API-Key auth; chunk limits from the gateway settings."""
-    s = gw(request).settings
+    s = g.settings
     return {
         "pjwt_auth_enabled": False,
         "credential_default_source": "api_key",
         "fwdbwd_max_chunk_len": s.fwdbwd_max_chunk_len,
         # the SDK's size estimate is approximate: keep its chunks well under the body limit
-        "fwdbwd_max_chunk_bytes_count": min(5_000_000, gw(request).body_limit() // 2),
+        "fwdbwd_max_chunk_bytes_count": min(5_000_000, g.body_limit() // 2),
         # OPENRL_PROTO_COMPRESS=1: the SDK zstd-compresses forward_backward bodies
         # (Content-Encoding: zstd; the gateway decompresses them, capped at the body limit)
         "proto_compress_fwdbwd": os.environ.get("OPENRL_PROTO_COMPRESS", "0").strip().lower() in ("1", "true", "yes"),
@@ -34,23 +35,22 @@ async def client_config(request: Request) -> dict:
     }
 
 
-@router.post("/client/dynamic_config")
+@router.post("/client/dynamic_config", response_model=wire.ClientDynamicConfigResponse)
 async def dynamic_config() -> dict:
     return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
 
 
-@router.post("/create_session")
-async def create_session(request: Request) -> dict:
+@router.post("/create_session", response_model=wire.CreateSessionResponse)
+async def create_session(req: wire.CreateSessionRequest, g: GatewayDep, caller: CallerDep) -> dict:
     """Create a session; its id is URL-safe hex and never contains ':'."""
-    req = await parse(request, wire.CreateSessionRequest)
     session_id = uuid.uuid4().hex[:20]
     rec = {
         "session_id": session_id,
-        "owner": owner(request),
+        "owner": caller.owner,
         "tags": list(req.tags or []),
         "user_metadata": req.user_metadata or {},
-        "display_name": getattr(req, "display_name", None),
-        "project_id": getattr(req, "project_id", None),
+        "display_name": req.display_name,
+        "project_id": req.project_id,
         "sdk_version": req.sdk_version,
         "created": now_iso(),
         "last_heartbeat": now_iso(),
@@ -58,7 +58,6 @@ async def create_session(request: Request) -> dict:
         "training_run_ids": [],
         "sampler_ids": [],
     }
-    g = gw(request)
     await g.bus.meta_put(rec, "session", session_id)
     out = {"session_id": session_id}
     if getattr(g.keys, "allow_any", False):  # logged by the SDK
@@ -67,12 +66,11 @@ async def create_session(request: Request) -> dict:
     return out
 
 
-@router.post("/session_heartbeat")
-async def session_heartbeat(request: Request):
-    req = await parse(request, wire.SessionHeartbeatRequest)
-    g = gw(request)
+@router.post("/session_heartbeat", response_model=wire.SessionHeartbeatResponse)
+async def session_heartbeat(req: wire.SessionHeartbeatRequest, g: GatewayDep, caller: CallerDep):
+    """Keep a session alive; 410 once it is over (or not the caller's), which stops the SDK's heartbeat."""
     rec = await g.bus.meta_get("session", req.session_id)
-    if rec is None or rec.get("owner") != owner(request) or rec.get("status") != "active":
+    if rec is None or rec.get("owner") != caller.owner or rec.get("status") != "active":
         return JSONResponse(status_code=410, content={"detail": f"session {req.session_id!r} is over"})
     def beat(old):  # compare-and-set: never undo a concurrent finish or training_run_ids append
         old = dict(old or {})
@@ -84,9 +82,10 @@ async def session_heartbeat(request: Request):
 
 
 @router.post("/sessions/{session_id}/finish")
-async def finish_session(session_id: str, request: Request) -> dict:
-    g = gw(request)
-    rec = await g.session(session_id, owner(request))
+async def finish_session(session_id: str, request: Request, g: GatewayDep, caller: CallerDep) -> dict:
+    """Mark a session finished. The body (``{reason: {type}}``, optional) is read leniently:
+    any reason type is recorded as sent."""
+    rec = await g.session(session_id, caller.owner)
     body = await request.json() if await request.body() else {}
     def finish(old):  # compare-and-set, like the heartbeat
         old = dict(old or rec)
@@ -98,32 +97,31 @@ async def finish_session(session_id: str, request: Request) -> dict:
     return {"status": "finished"}
 
 
-@router.post("/telemetry")
+@router.post("/telemetry", response_model=wire.TelemetryResponse)
 async def telemetry() -> dict:
     """Telemetry is accepted and dropped."""
     return {"status": "accepted"}
 
 
-@router.get("/healthz")
+@public.get("/healthz", response_model=wire.HealthResponse)
 async def healthz() -> dict:
     """Liveness/readiness probe; the only /api/v1 route that needs no API key."""
     return {"status": "ok"}
 
 
 @router.get("/admin/stats")
-async def admin_stats(request: Request):
+async def admin_stats(g: GatewayDep, caller: CallerDep):
     """Backpressure counters of this replica (admin keys only; 403 for others):
     ``{"rejected_429": {stream: n}, "stream_depth": {stream: messages at last reading},
     "limits": {...}}``."""
-    if not caller(request).admin:
+    if not caller.admin:
         return JSONResponse(status_code=403, content={"detail": "admin key required", "category": "user",
                                                       "field": "X-API-Key"})
-    g = gw(request)
     return {"rejected_429": dict(g.rejected), "stream_depth": {k: v[0] for k, v in g._depth.items()},
             "limits": {"max_pending_samples": g.settings.max_pending_samples,
                        "max_pending_train": g.settings.max_pending_train}}
 
 
-@router.get("/get_server_capabilities")
-async def get_server_capabilities(request: Request) -> dict:
-    return {"supported_models": gw(request).registry.capabilities()}
+@router.get("/get_server_capabilities", response_model=wire.GetServerCapabilitiesResponse)
+async def get_server_capabilities(g: GatewayDep) -> dict:
+    return {"supported_models": g.registry.capabilities()}

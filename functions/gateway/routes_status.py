@@ -19,7 +19,8 @@ See :func:`openrl.observe.metrics.queue_status`. ``device`` / ``dtype`` / ``back
 come from the newest live record a JetStream worker of that function and shard keeps in
 the meta bucket (:class:`openrl.transport.worker.WorkerPresence`); None when no live worker wrote one.
 
-:func:`install` adds the request metrics / trace middleware and these routes to the app.
+:data:`public` holds ``/metrics``, :data:`router` ``/status`` (under ``/api/v1``, behind the
+key); :func:`install` adds the request metrics / trace middleware to the app.
 """
 
 from __future__ import annotations
@@ -27,22 +28,23 @@ from __future__ import annotations
 import logging
 import time
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI
 from fastapi.responses import Response
 
-from functions.gateway.deps import gw, owner
+from functions.gateway.deps import GatewayDep
 from openrl.observe import metrics
 from openrl.transport.bus import now_iso
 
-router = APIRouter()
+router = APIRouter()  # under /api/v1, behind the API key
+public = APIRouter()
 log = logging.getLogger("openrl.gateway.status")
 
 
-@router.get("/metrics")
-async def prometheus_metrics(request: Request) -> Response:
+@public.get("/metrics")
+async def prometheus_metrics(g: GatewayDep) -> Response:
     """Prometheus text exposition; queue gauges are refreshed from JetStream first."""
     try:
-        await metrics.refresh_queue_gauges(gw(request).bus)
+        await metrics.refresh_queue_gauges(g.bus)
     except Exception:  # noqa: BLE001 - NATS down: still serve the process metrics
         pass
     body, ctype = metrics.exposition()
@@ -74,11 +76,10 @@ async def build_status(bus) -> dict:
     }
 
 
-@router.get("/api/v1/status")
-async def status(request: Request) -> dict:
+@router.get("/status")
+async def status(g: GatewayDep) -> dict:
     """Workers (JetStream consumers, with what they run on) and queues; see the module doc."""
-    owner(request)  # the caller has a valid key (checked by the gateway's edge middleware)
-    return await build_status(gw(request).bus)
+    return await build_status(g.bus)
 
 
 class ObserveMiddleware:
@@ -114,6 +115,5 @@ class ObserveMiddleware:
 
 
 def install(app: FastAPI) -> None:
-    """Add the observe middleware (outermost: call after the other middlewares) and the routes."""
-    app.include_router(router)
+    """Add the observe middleware (outermost: call after the other middlewares)."""
     app.add_middleware(ObserveMiddleware)

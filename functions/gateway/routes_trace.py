@@ -25,31 +25,32 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from functions.gateway.deps import gw, owner
+from functions.gateway.deps import CallerDep, GatewayDep
 from functions.gateway.routes_download import _forbidden, _public_base, _secret, sign, url_ttl_s
 from openrl.transport.bus import FUTURES_BUCKET, Bus, FutureRecord, kv_key_decode
 from openrl.errors import NotFound
 
-router = APIRouter()
+router = APIRouter()  # under /api/v1, behind the API key
+public = APIRouter()  # the signed URL carries no key
 
 
-@router.get("/api/v1/sessions/{session_id}/trace_export")
-async def export_session_trace(session_id: str, request: Request) -> dict:
+@router.get("/sessions/{session_id}/trace_export")
+async def export_session_trace(session_id: str, request: Request, g: GatewayDep, caller: CallerDep) -> dict:
     """The signed URL of the session's trace (404 for an unknown or another key's session)."""
-    await gw(request).session(session_id, owner(request))
+    await g.session(session_id, caller.owner)
     expires = int(time.time()) + url_ttl_s()
     sig = sign(await _secret(request), f"trace/{session_id}", expires)
     url = f"{_public_base(request)}/download-trace/{session_id}.json?expires={expires}&sig={sig}"
     return {"status": "ready", "url": url}
 
 
-@router.get("/download-trace/{session_id}.json")
-async def download_trace(session_id: str, request: Request, expires: int = 0, sig: str = ""):
+@public.get("/download-trace/{session_id}.json")
+async def download_trace(session_id: str, request: Request, g: GatewayDep, expires: int = 0, sig: str = ""):
     """The trace document; 403 for a bad or expired signature."""
     good = sign(await _secret(request), f"trace/{session_id}", expires)
     if not hmac.compare_digest(good, sig) or expires < time.time():
         return _forbidden("bad or expired trace URL: ask export_session_trace for a new one")
-    bus = gw(request).bus
+    bus = g.bus
     rec = await bus.meta_get("session", session_id)
     if rec is None:
         raise NotFound("session_id", f"unknown session {session_id!r}")

@@ -60,13 +60,15 @@ class AuthConfigError(ValueError):
 
 
 class AuthError(Exception):
-    """A request without a valid key. ``status`` is 401; ``message`` names the header."""
+    """A request without a valid key. ``status`` is 401; ``message`` and ``field`` name the
+    header (:data:`HEADER`, or :data:`INTERNAL_HEADER` for the ``/events/*`` sinks)."""
 
     status = 401
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, field: str = HEADER):
         super().__init__(message)
         self.message = message
+        self.field = field
 
 
 def digest(key: str) -> bytes:
@@ -189,7 +191,7 @@ class KeyRing:
         if self._internal is None:
             return
         if not token or not hmac.compare_digest(digest(token), self._internal):
-            raise AuthError(f"internal sink: missing or wrong {INTERNAL_HEADER} header")
+            raise AuthError(f"internal sink: missing or wrong {INTERNAL_HEADER} header", INTERNAL_HEADER)
 
 
 def _split_env(value: str) -> list[str]:

@@ -59,7 +59,8 @@ def dump(model: BaseModel) -> dict[str, Any]:
 
 
 def parse_request(model: type[M], body: bytes | str | dict[str, Any]) -> M:
-    """Validate a JSON request body.
+    """Validate a JSON request body (an empty one counts as ``{}``). The gateway names the
+    field of a body FastAPI found invalid with it (``functions/gateway/errors.py``).
 
     Args:
         model: the request model class.
@@ -73,7 +74,7 @@ def parse_request(model: type[M], body: bytes | str | dict[str, Any]) -> M:
         try:
             body = json.loads(body or b"{}")
         except ValueError as exc:
-            raise UserError("body", f"invalid JSON: {exc}") from None
+            raise UserError("body", f"malformed JSON: {exc}") from None
     if not isinstance(body, dict):
         raise UserError("body", "expected a JSON object")
     try:

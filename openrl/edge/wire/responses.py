@@ -1,13 +1,33 @@
 """Response bodies the server sends; the SDK validates them strictly (required fields
-must be present, extra fields are ignored). Serialize with :func:`openrl.edge.wire.dump`."""
+must be present, extra fields are ignored). Serialize with :func:`openrl.edge.wire.dump`
+(the gateway's routes name them as ``response_model``, serialised the same way).
+
+Times are :data:`Timestamp`: UTC ISO-8601 with a ``Z``, milliseconds only when not zero
+(``2026-11-30T08:14:41.353Z``, ``2026-11-30T08:14:41Z``), the form the records and storage
+manifests hold, so a time passes through the gateway unchanged.
+"""
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Literal
+from datetime import datetime, timezone
+from typing import Annotated, Any, Literal
+
+from pydantic import PlainSerializer
 
 from ._base import ResponseModel
 from .common import AdamwConfig, DimuonConfig
+
+
+def _iso_z(t: datetime) -> str:
+    """``t`` in UTC as ISO-8601 with ``Z``; ``.mmm`` only when the milliseconds are not zero
+    (a naive ``t`` is taken as UTC)."""
+    t = t.astimezone(timezone.utc) if t.tzinfo else t
+    ms = t.microsecond // 1000
+    return t.strftime("%Y-%m-%dT%H:%M:%S") + (f".{ms:03d}" if ms else "") + "Z"
+
+
+Timestamp = Annotated[datetime, PlainSerializer(_iso_z, return_type=str, when_used="json")]
+"""A datetime on the wire (see the module doc)."""
 
 __all__ = [
     "UntypedAPIFuture", "TryAgainResponse", "FutureMetadataResponse", "RequestFailedResponse",
@@ -212,12 +232,12 @@ class Checkpoint(ResponseModel):
 
     checkpoint_id: str
     checkpoint_type: Literal["training", "sampler", "external"]
-    time: datetime
+    time: Timestamp
     tinker_path: str
     size_bytes: int | None = None
     public: bool = False
-    user_metadata: dict[str, str] | None = None
-    expires_at: datetime | None = None
+    user_metadata: dict[str, Any] | None = None
+    expires_at: Timestamp | None = None
 
 
 class CheckpointsListResponse(ResponseModel):
@@ -232,10 +252,11 @@ class TrainingRun(ResponseModel):
     is_lora: bool
     corrupted: bool = False
     lora_rank: int | None = None
-    last_request_time: datetime
+    last_request_time: Timestamp
     last_checkpoint: Checkpoint | None = None
     last_sampler_checkpoint: Checkpoint | None = None
-    user_metadata: dict[str, str] | None = None
+    user_metadata: dict[str, Any] | None = None
+    """As the run was created with (the SDK sends strings)."""
 
 
 class TrainingRunsResponse(ResponseModel):
@@ -266,7 +287,7 @@ class GetServerCapabilitiesResponse(ResponseModel):
 
 class ExternalWeightsUrlsResponse(ResponseModel):
     urls: dict[str, str]
-    expires: datetime
+    expires: Timestamp
 
 
 class ListSessionsResponse(ResponseModel):

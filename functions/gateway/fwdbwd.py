@@ -1,0 +1,100 @@
+"""The protobuf body of ``/forward_backward`` and ``/forward``: read, decompress, decode, check.
+
+The SDK sends a ``ForwardBackwardRequest`` (``Content-Type: application/x-protobuf``, zstd when
+``Content-Encoding`` says so). :data:`ForwardBackwardDep` gives the route the decoded request
+plus the decompressed bytes, which are published unchanged as the event's data (see
+:mod:`openrl.contract.payloads`); :func:`validate_datums` holds the edge checks that need the
+run's base model. Every error here is a :class:`openrl.errors.UserError`, so the route's
+seq_id is skipped (:mod:`functions.gateway.skips`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+import numpy as np
+from fastapi import Depends, Request
+
+from functions.gateway.context import BodyTooLarge, require
+from functions.gateway.deps import GatewayDep
+from openrl.edge import proto
+from openrl.edge.proto.compress import decompress
+from openrl.errors import UserError
+
+
+@dataclass
+class ForwardBackwardBody:
+    """A forward_backward request as received.
+
+    Attributes:
+        request: the decoded body (model_id, seq_id, loss_fn, datums as numpy arrays).
+        data: the decompressed protobuf bytes (at most ``Gateway.body_limit()``), the event's data.
+    """
+
+    request: proto.FwdBwdRequest
+    data: bytes
+
+
+def decompress_capped(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """The body, zstd-decompressed when ``encoding`` says so (:func:`openrl.edge.proto.compress.decompress`),
+    at most ``limit`` bytes either way.
+
+    Raises:
+        UserError: ``Content-Encoding`` not zstd/identity; ``body`` not valid zstd.
+        BodyTooLarge: more than ``limit`` bytes (413; a small zstd body cannot expand without bound).
+    """
+    body = decompress(body, encoding, limit=limit)
+    if len(body) > limit:
+        raise BodyTooLarge("body", f"forward_backward body exceeds the limit of {limit} bytes")
+    return body
+
+
+async def forward_backward_body(request: Request, g: GatewayDep) -> ForwardBackwardBody:
+    """Dependency: the request's ``ForwardBackwardRequest``.
+
+    Raises:
+        BodyTooLarge: the body (declared, or decompressed) is over ``g.body_limit()`` (413);
+            :class:`functions.gateway.app.BodyCapMiddleware` passed only its head.
+        UserError: not ``application/x-protobuf``; a bad ``Content-Encoding``; malformed zstd
+            or protobuf, naming the field.
+    """
+    body = await request.body()
+    oversize = getattr(request.state, "oversize", None)
+    if oversize is not None:  # only the head was read: enough to skip the seq_id
+        raise BodyTooLarge("body", f"request body of {oversize} bytes exceeds the limit of {g.body_limit()} bytes")
+    if "protobuf" not in (request.headers.get("content-type") or ""):
+        raise UserError("content-type", "forward_backward expects application/x-protobuf")
+    data = decompress_capped(body, request.headers.get("content-encoding"), g.body_limit())
+    return ForwardBackwardBody(proto.decode_forward_backward_request(data), data)
+
+
+ForwardBackwardDep = Annotated[ForwardBackwardBody, Depends(forward_backward_body)]
+
+
+def validate_datums(fb: proto.FwdBwdRequest, vocab: int, max_context: int | None = None) -> None:
+    """Edge checks of a forward_backward body: non-empty, token ids in the vocabulary, at most
+    ``max_context`` tokens per datum, target lengths, finite float inputs (no NaN/inf).
+
+    Raises:
+        UserError: naming the datum and field.
+    """
+    require(len(fb.data) > 0, "data", "at least one datum is required")
+    for i, d in enumerate(fb.data):
+        require(len(d.tokens) > 0, f"data[{i}].model_input", "empty model input")
+        require(max_context is None or len(d.tokens) <= max_context, f"data[{i}].model_input",
+                f"{len(d.tokens)} tokens exceed the model's context of {max_context}")
+        bad = [t for t in d.tokens if t < 0 or t >= vocab]
+        require(not bad, f"data[{i}].model_input", f"token id {bad[:1]} outside the vocabulary [0, {vocab})")
+        for key, arr in d.loss_fn_inputs.items():
+            a = np.asarray(arr)
+            fld = f"data[{i}].loss_fn_inputs.{key}"
+            require(a.ndim >= 1 and a.shape[0] == len(d.tokens), fld,
+                    f"shape {list(a.shape)}: the first dimension must be the model_input length {len(d.tokens)}")
+            require(a.dtype.kind != "f" or bool(np.isfinite(a).all()), fld, "must be finite (no NaN or inf)")
+        tt = d.loss_fn_inputs.get("target_tokens")
+        if tt is not None:
+            require(tt.shape[0] == len(d.tokens), f"data[{i}].loss_fn_inputs.target_tokens",
+                    f"length {tt.shape[0]} != model_input length {len(d.tokens)}")
+            require(bool(((tt >= 0) & (tt < vocab)).all()), f"data[{i}].loss_fn_inputs.target_tokens",
+                    f"token id outside the vocabulary [0, {vocab})")
