@@ -12,7 +12,6 @@ behind the internal token when one is configured.
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Callable
 
 from fastapi import APIRouter, Depends, FastAPI
@@ -169,11 +168,20 @@ def create_app(
     return app
 
 
-def app_from_env() -> FastAPI:
-    """The app as deployed: settings from OPENRL_* environment variables."""
-    import os
+def app_from_env(cfg: "Settings | dict | None" = None) -> FastAPI:
+    """The app as deployed: settings from :class:`openrl.config.Settings` (the OPENRL_*
+    environment; ``cfg`` values win). Storage defaults to ``file://$OPENRL_HOME/storage``,
+    the workers' default.
 
-    models_dir = Path(os.environ.get("OPENRL_HOME", str(Path.home() / ".openrl"))) / "models"
-    reg_path = os.environ.get("OPENRL_MODEL_REGISTRY")
-    registry = ModelRegistry.load(Path(reg_path) if reg_path else None, models_dir=models_dir)
-    return create_app(storage_url=os.environ.get("OPENRL_STORAGE", "file:///tmp/openrl-storage"), registry=registry)
+    Raises:
+        openrl.edge.auth.AuthConfigError: no keys configured.
+        pydantic.ValidationError: a setting of the wrong type or out of range.
+    """
+    from openrl.config import Settings
+
+    cfg = Settings.of(cfg)
+    registry = ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
+    settings = GatewaySettings(long_poll_s=cfg.long_poll_s, trainer_shards=cfg.trainer_shards,
+                               max_body_bytes=cfg.max_body_bytes, max_pending_samples=cfg.max_pending_samples,
+                               max_pending_train=cfg.max_pending_train, k_sink=cfg.k_sink)
+    return create_app(nats_url=cfg.nats_url, storage_url=cfg.storage_url, registry=registry, settings=settings)
