@@ -3,7 +3,7 @@
 Every loss maps one datum's
 
 * ``target_logprobs``: float32 [T] (or [T, K] for 2-D cross-entropy targets), the current
-  policy's ``log p_theta(target_t | input_<=t)`` with grad (see ``openrl.model.numerics``),
+  policy's ``log p_theta(target_t | input_<=t)`` with grad (see ``openrl.model.logprobs``),
 * ``inputs``: the datum's validated ``loss_fn_inputs`` as tensors on the same device,
 * ``config``: the resolved ``loss_fn_config`` (defaults filled in),
 

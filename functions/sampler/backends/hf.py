@@ -185,6 +185,7 @@ class HFBackend:
         await loop.run_in_executor(self._executor, load_peft_adapter, self.model, key, Path(directory))
 
     async def unload_adapter(self, key: str) -> None:
+        """Drop adapter ``key`` from the model (on the worker thread; no-op if absent)."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self.model.remove_adapter, key)
 

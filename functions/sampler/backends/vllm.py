@@ -214,6 +214,7 @@ class VLLMBackend:
         self._requests[key] = req
 
     async def unload_adapter(self, key: str) -> None:
+        """Remove adapter ``key`` from vLLM and delete its converted copy (no-op if absent)."""
         lid = self._ids.pop(key, None)
         self._requests.pop(key, None)
         if lid is not None:

@@ -35,14 +35,18 @@ class MultiLoRALinear(nn.Module):
 
     @property
     def in_features(self) -> int:
+        """Input width of the base layer."""
         return self.base_layer.in_features
 
     @property
     def out_features(self) -> int:
+        """Output width of the base layer."""
         return self.base_layer.out_features
 
     @property
-    def weight(self) -> Tensor:  # some HF code reads .weight of lm_head (e.g. tying checks)
+    def weight(self) -> Tensor:
+        """The base layer's weight [out, in] (some HF code reads ``.weight`` of ``lm_head``,
+        e.g. tying checks)."""
         return self.base_layer.weight
 
     def forward(self, x: Tensor) -> Tensor:
@@ -58,4 +62,5 @@ class MultiLoRALinear(nn.Module):
         return routing.add_lora(out, x, self.lora_A, self.lora_B, self.scaling)
 
     def extra_repr(self) -> str:
+        """The adapter names, for ``repr``."""
         return f"adapters={sorted(self.lora_A)}"
