@@ -103,7 +103,7 @@ def api_router() -> APIRouter:
         routes_training,
     )
 
-    api = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
+    api = APIRouter(dependencies=[Depends(authenticate)])
     for mod in (routes_session, routes_training, routes_sampling, routes_futures, routes_rest, routes_copy,
                 routes_trace, routes_status):
         api.include_router(mod.router)
@@ -181,7 +181,5 @@ def app_from_env(cfg: "Settings | dict | None" = None) -> FastAPI:
 
     cfg = Settings.of(cfg)
     registry = ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
-    settings = GatewaySettings(long_poll_s=cfg.long_poll_s, trainer_shards=cfg.trainer_shards,
-                               max_body_bytes=cfg.max_body_bytes, max_pending_samples=cfg.max_pending_samples,
-                               max_pending_train=cfg.max_pending_train, k_sink=cfg.k_sink)
-    return create_app(nats_url=cfg.nats_url, storage_url=cfg.storage_url, registry=registry, settings=settings)
+    return create_app(nats_url=cfg.nats_url, storage_url=cfg.storage_url, registry=registry,
+                      settings=GatewaySettings.of(cfg))

@@ -8,12 +8,12 @@ number of gateway replicas can serve the same SDK client.
 from __future__ import annotations
 
 import json
-import os
 import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from openrl.config import Settings
 from openrl.contract import events, topology
 
 from openrl.observe import metrics
@@ -26,6 +26,16 @@ from openrl.storage import Storage
 
 
 SAMPLER_CACHE_S = 60.0  # how long a replica reuses a sampling-session record (seconds)
+
+
+_FROM_SETTINGS = ("long_poll_s", "trainer_shards", "max_body_bytes", "max_pending_samples", "max_pending_train",
+                  "k_sink")
+
+
+def _setting(name: str):
+    """A dataclass field whose default is :class:`openrl.config.Settings`' ``name`` (the
+    OPENRL_* environment, read when the object is made)."""
+    return field(default_factory=lambda: getattr(Settings(), name))
 
 
 @dataclass
@@ -46,17 +56,22 @@ class GatewaySettings:
         between, this replica's own publishes are added to the last reading.
     """
 
-    long_poll_s: float = float(os.environ.get("OPENRL_LONG_POLL_S", "25"))
-    trainer_shards: int = int(os.environ.get("OPENRL_TRAINER_SHARDS", "1"))
+    long_poll_s: float = _setting("long_poll_s")
+    trainer_shards: int = _setting("trainer_shards")
     max_num_samples: int = 128
     max_tokens_limit: int = 4096
-    max_body_bytes: int = int(os.environ.get("OPENRL_MAX_BODY_BYTES", str(64 * 1024 * 1024)))
-    max_pending_samples: int = int(os.environ.get("OPENRL_MAX_PENDING_SAMPLES", "10000"))
-    max_pending_train: int = int(os.environ.get("OPENRL_MAX_PENDING_TRAIN", "10000"))
+    max_body_bytes: int = _setting("max_body_bytes")
+    max_pending_samples: int = _setting("max_pending_samples")
+    max_pending_train: int = _setting("max_pending_train")
     pending_refresh_s: float = 0.2
     fwdbwd_max_chunk_len: int = 1024
     heartbeat_expiry_s: float = 600.0
-    k_sink: str | None = os.environ.get("K_SINK")  # Knative SinkBinding: POST request events to the Broker
+    k_sink: str | None = _setting("k_sink")  # Knative SinkBinding: POST request events to the Broker
+
+    @classmethod
+    def of(cls, cfg: Settings) -> "GatewaySettings":
+        """The gateway's tunables from one :class:`openrl.config.Settings`."""
+        return cls(**{name: getattr(cfg, name) for name in _FROM_SETTINGS})
 
 
 @dataclass

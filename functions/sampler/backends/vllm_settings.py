@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from openrl.config import DEFAULT_HOME
+
 #: LoRA ranks vLLM 0.24 accepts for ``max_lora_rank``.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -61,7 +63,7 @@ def configure_vllm_env(env: "os._Environ[str] | dict[str, str] | None" = None) -
     env = os.environ if env is None else env
     done: dict[str, str] = {}
     if not env.get("VLLM_CACHE_ROOT"):
-        home = Path(env.get("OPENRL_HOME") or Path.home() / ".openrl").expanduser()
+        home = Path(env.get("OPENRL_HOME") or DEFAULT_HOME).expanduser()
         done["VLLM_CACHE_ROOT"] = str(home / "cache" / "vllm")
     if not env.get("VLLM_NO_USAGE_STATS"):
         done["VLLM_NO_USAGE_STATS"] = "1"
