@@ -116,6 +116,7 @@ class Bus:
             )
 
     async def close(self) -> None:
+        """Close the NATS connection (no-op when not connected or already closed)."""
         if self.nc is not None and not self.nc.is_closed:
             await self.nc.close()
 
@@ -146,6 +147,7 @@ class Bus:
             return False
 
     async def future_get(self, request_id: str) -> FutureRecord | None:
+        """The future record of ``request_id``, or None when there is none (never created, expired or deleted)."""
         try:
             entry = await self.futures.get(kv_key(request_id))
         except KeyNotFoundError:
@@ -155,10 +157,12 @@ class Bus:
         return FutureRecord.decode(entry.value)
 
     async def future_put(self, request_id: str, record: FutureRecord) -> None:
+        """Write the future record of ``request_id`` (a result replaces the pending marker)."""
         await self.futures.put(kv_key(request_id), record.encode())
 
     # ----- metadata ---------------------------------------------------------------
     async def meta_get(self, *key: str) -> dict | None:
+        """The JSON record under ``kv_key(*key)`` in ``OPENRL_META`` (e.g. ``("model", model_id)``), or None."""
         try:
             entry = await self.meta.get(kv_key(*key))
         except KeyNotFoundError:
@@ -166,6 +170,7 @@ class Bus:
         return json.loads(entry.value) if entry.value else None
 
     async def meta_put(self, value: dict, *key: str) -> None:
+        """Write a JSON record under ``kv_key(*key)`` (last writer wins; see :meth:`meta_update` for compare-and-set)."""
         await self.meta.put(kv_key(*key), json.dumps(value).encode())
 
     async def meta_create(self, value: dict, *key: str) -> bool:
@@ -241,6 +246,7 @@ class Bus:
         return out
 
     async def meta_delete(self, *key: str) -> None:
+        """Delete the record under ``kv_key(*key)``; a missing one is no error."""
         try:
             await self.meta.delete(kv_key(*key))
         except KeyNotFoundError:
@@ -304,6 +310,7 @@ class FutureWaiter:
                 pass
 
     async def stop(self) -> None:
+        """Stop watching the futures bucket (waiters still time out or re-read on their own)."""
         if self._task:
             self._task.cancel()
         if self._watcher:

@@ -230,6 +230,7 @@ async def serve(module: str, nats_url: str | None, shard: int, cfg: "Settings | 
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Command line: see the module doc."""
     ap = argparse.ArgumentParser(prog="python -m openrl.transport.worker")
     ap.add_argument("module", help="function module, e.g. functions.trainer")
     ap.add_argument("--nats", default=None, help="NATS URL (default $OPENRL_NATS_URL)")

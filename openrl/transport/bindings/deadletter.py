@@ -127,6 +127,7 @@ class DeadLetterWatcher:
                                                     queue=f"{self.durable}-deadletter", cb=self._on_advisory)
 
     async def stop(self) -> None:
+        """Stop watching the advisories."""
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()

@@ -54,6 +54,7 @@ class Dispatcher:
         self._tasks: set[asyncio.Task] = set()
 
     async def run(self) -> None:
+        """Fetch and deliver messages (each in its own task, at most ``concurrency`` at once) until :meth:`stop`."""
         sub = await self.bus.work_consumer(self.stream, self.durable, self.filter_subject)
         while not self._stop.is_set():
             try:
@@ -106,6 +107,7 @@ class Dispatcher:
         await self._post(self.dead_letter, headers, msg.data)
 
     async def stop(self) -> None:
+        """Stop fetching, wait up to 30 s for deliveries in flight, close the HTTP client."""
         self._stop.set()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=30)
@@ -113,6 +115,8 @@ class Dispatcher:
 
 
 async def serve(nats_url: str, gateway: str, routes: dict[str, str]) -> None:
+    """Run one :class:`Dispatcher` per route (function name -> receiver URL, bound to that
+    function's consumer in :mod:`openrl.contract.topology`) until SIGTERM / SIGINT."""
     bus = await Bus(nats_url).connect()
     ds = []
     for name, target in routes.items():
@@ -140,6 +144,7 @@ async def serve(nats_url: str, gateway: str, routes: dict[str, str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Command line: see the module doc."""
     ap = argparse.ArgumentParser(prog="python -m openrl.transport.bindings.dispatcher")
     ap.add_argument("--nats", required=True)
     ap.add_argument("--gateway", required=True, help="gateway base URL (result and dead-letter sinks)")

@@ -94,6 +94,7 @@ def create_app(function, cfg: "Settings | dict | None" = None, *, source: str = 
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Command line: see the module doc."""
     import uvicorn
 
     ap = argparse.ArgumentParser(prog="python -m openrl.transport.bindings.http")
