@@ -27,6 +27,8 @@ from functions.gateway.context import Gateway
 from openrl.edge.auth import HEADER, INTERNAL_HEADER, Caller
 from openrl.errors import NotFound
 
+API_PREFIX = "/api/v1"  # the prefix of every Tinker route (each route module's router carries it)
+
 _api_key = APIKeyHeader(name=HEADER, auto_error=False, description="A configured `tml-` API key")
 _internal_header = APIKeyHeader(name=INTERNAL_HEADER, auto_error=False)
 _internal_query = APIKeyQuery(name="token", auto_error=False)

@@ -20,14 +20,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header
 
-from functions.gateway.deps import CallerDep, GatewayDep, WireRoute
+from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, WireRoute
 from functions.gateway.runs import add_to_session, model_id_for, readable_manifest
 from openrl.edge import wire
 from openrl.transport.bus import now_iso
 from openrl.errors import NotSupported, UserError
 from openrl.storage import TinkerPath
 
-router = APIRouter(route_class=WireRoute)
+router = APIRouter(prefix=API_PREFIX, route_class=WireRoute)
 
 
 @router.post("/copy_weights")

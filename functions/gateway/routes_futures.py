@@ -13,11 +13,11 @@ import json
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from functions.gateway.deps import CallerDep, GatewayDep, WireRoute
+from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, WireRoute
 from openrl.edge import wire
 from openrl.errors import NotFound
 
-router = APIRouter(route_class=WireRoute)
+router = APIRouter(prefix=API_PREFIX, route_class=WireRoute)
 
 
 @router.post("/retrieve_future", response_model=wire.TryAgainResponse)

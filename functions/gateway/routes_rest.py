@@ -15,13 +15,13 @@ import time
 from fastapi import APIRouter, Request
 
 from functions.gateway.context import Gateway
-from functions.gateway.deps import CallerDep, GatewayDep, OwnedRunDep, ScopeDep, WireRoute
+from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, OwnedRunDep, ScopeDep, WireRoute
 from functions.gateway.runs import readable_manifest
 from openrl.edge import wire
 from openrl.errors import NotFound, UserError
 from openrl.storage import TinkerPath
 
-router = APIRouter(route_class=WireRoute)
+router = APIRouter(prefix=API_PREFIX, route_class=WireRoute)
 
 
 def checkpoint_json(m: dict) -> dict:

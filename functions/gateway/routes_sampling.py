@@ -9,14 +9,14 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from functions.gateway.context import require
-from functions.gateway.deps import CallerDep, GatewayDep, WireRoute
+from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, WireRoute
 from functions.gateway.runs import add_to_session, readable_manifest
 from openrl.contract import payloads
 from openrl.edge import wire
 from openrl.transport.bus import SAMPLE_STREAM, now_iso
 from openrl.storage import TinkerPath
 
-router = APIRouter(route_class=WireRoute)
+router = APIRouter(prefix=API_PREFIX, route_class=WireRoute)
 
 
 @router.post("/create_sampling_session", response_model=wire.CreateSamplingSessionResponse)

@@ -8,12 +8,12 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from functions.gateway.deps import CallerDep, GatewayDep, WireRoute
+from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, WireRoute
 from openrl.edge import wire
 from openrl.transport.bus import now_iso
 
-router = APIRouter(route_class=WireRoute)  # under /api/v1, behind the API key (functions/gateway/app.py)
-public = APIRouter(prefix="/api/v1", route_class=WireRoute)  # no key
+router = APIRouter(prefix=API_PREFIX, route_class=WireRoute)  # behind the API key (functions/gateway/app.py)
+public = APIRouter(prefix=API_PREFIX, route_class=WireRoute)  # no key
 
 
 @router.post("/client/config", response_model=wire.ClientConfigResponse)

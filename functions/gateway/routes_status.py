@@ -31,11 +31,11 @@ import time
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import Response
 
-from functions.gateway.deps import GatewayDep
+from functions.gateway.deps import API_PREFIX, GatewayDep
 from openrl.observe import metrics
 from openrl.transport.bus import now_iso
 
-router = APIRouter()  # under /api/v1, behind the API key
+router = APIRouter(prefix=API_PREFIX)  # behind the API key
 public = APIRouter()
 log = logging.getLogger("openrl.gateway.status")
 
@@ -83,7 +83,8 @@ async def status(g: GatewayDep) -> dict:
 
 
 class ObserveMiddleware:
-    """Pure ASGI middleware: per-request metrics (route template, method, status) and the
+    """Pure ASGI middleware: per-request metrics (route template, or ``unmatched`` for no route
+    and for a 401; method, status) and the
     method / path on every log record of the request. (The HTTP server trace span comes from
     FastAPI's built-in OpenTelemetry support, which uses the provider :mod:`openrl.observe.tracing`
     installs.)"""
@@ -109,7 +110,9 @@ class ObserveMiddleware:
             try:
                 await self.app(scope, receive, send_wrapped)
             finally:
-                route = getattr(scope.get("route"), "path", None) or "unmatched"
+                # a request without a valid key (401) never reached its route: "unmatched", as one
+                # that matched no route
+                route = (getattr(scope.get("route"), "path", None) if status["code"] != 401 else None) or "unmatched"
                 metrics.GATEWAY_REQUESTS.labels(route, method, str(status["code"])).inc()
                 metrics.GATEWAY_REQUEST_SECONDS.labels(route, method).observe(time.perf_counter() - t0)
 

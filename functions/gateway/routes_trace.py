@@ -25,12 +25,12 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from functions.gateway.deps import CallerDep, GatewayDep
+from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep
 from functions.gateway.routes_download import _forbidden, _public_base, _secret, sign, url_ttl_s
 from openrl.transport.bus import FUTURES_BUCKET, Bus, FutureRecord, kv_key_decode
 from openrl.errors import NotFound
 
-router = APIRouter()  # under /api/v1, behind the API key
+router = APIRouter(prefix=API_PREFIX)  # behind the API key
 public = APIRouter()  # the signed URL carries no key
 
 

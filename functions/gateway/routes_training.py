@@ -16,7 +16,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from functions.gateway.context import Gateway, require
-from functions.gateway.deps import CallerDep, GatewayDep
+from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep
 from functions.gateway.fwdbwd import ForwardBackwardDep, validate_datums
 from functions.gateway.runs import checkpoint_path, check_optimizer, new_run, readable_manifest, refuse_frozen
 from functions.gateway.skips import MAX_SEQ_ID, SkipRejected, request_id_for
@@ -26,7 +26,7 @@ from openrl.errors import NotSupported
 from openrl.storage import TinkerPath
 from openrl.transport.bus import TRAIN_STREAM, now_iso
 
-router = APIRouter(route_class=SkipRejected)
+router = APIRouter(prefix=API_PREFIX, route_class=SkipRejected)
 FUTURE = wire.UntypedAPIFuture
 
 
