@@ -11,6 +11,7 @@ from functions.gateway.app import app_from_env
 
 
 def main() -> None:
+    """Parse ``--host`` / ``--port``, set up logs and tracing, serve :func:`app_from_env` with uvicorn."""
     ap = argparse.ArgumentParser(prog="python -m functions.gateway")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)

@@ -72,6 +72,7 @@ def training_run_json(rec: dict, ckpts: list[dict]) -> dict:
 
 @router.post("/weights_info", response_model=wire.WeightsInfoResponse)
 async def weights_info(req: wire.WeightsInfoRequest, g: GatewayDep, caller: CallerDep) -> dict:
+    """``RestClient.get_weights_info_by_tinker_path``: base model and LoRA shape of a readable checkpoint."""
     m = await readable_manifest(g, TinkerPath.parse(req.tinker_path, field="tinker_path"), caller.owner, "tinker_path")
     lora = m.get("lora_config") or {}
     out = {
@@ -104,16 +105,19 @@ async def list_training_runs(g: GatewayDep, who: ScopeDep, limit: int = 20, offs
 
 @router.get("/training_runs/{run_id}", response_model=wire.TrainingRun)
 async def get_training_run(run_id: str, run: OwnedRunDep, g: GatewayDep, who: ScopeDep) -> dict:
+    """One training run (the caller's; any for an admin with ``access_scope=all``) with its latest checkpoints."""
     return training_run_json(run, await _run_checkpoints(g, run_id, who))
 
 
 @router.get("/training_runs/{run_id}/checkpoints", response_model=wire.CheckpointsListResponse)
 async def list_checkpoints(run_id: str, run: OwnedRunDep, g: GatewayDep, who: ScopeDep) -> dict:
+    """The live checkpoints of a training run the caller may read, newest first."""
     return {"checkpoints": [checkpoint_json(m) for m in await _run_checkpoints(g, run_id, who)], "cursor": None}
 
 
 @router.get("/checkpoints", response_model=wire.CheckpointsListResponse)
 async def list_user_checkpoints(g: GatewayDep, who: ScopeDep, limit: int = 100, offset: int = 0) -> dict:
+    """The live checkpoints of all the caller's runs (every owner's for an admin listing all), newest first; paged."""
     recs = [r for r in await g.bus.meta_list("model") if who is None or r.get("owner") == who]
     allm: list[dict] = []
     for r in recs:
@@ -145,6 +149,7 @@ CKPT = "/training_runs/{run_id}/checkpoints/{kind}/{name}"
 
 @router.delete(CKPT)
 async def delete_checkpoint(run_id: str, kind: str, name: str, g: GatewayDep, caller: CallerDep) -> dict:
+    """Delete one of the caller's checkpoints (404 for another key's)."""
     path, _ = await _checkpoint(g, caller.owner, run_id, f"{kind}/{name}")
     await asyncio.to_thread(g.storage.delete, path)
     return {"deleted": str(path)}
@@ -163,11 +168,13 @@ async def _set_public(g: Gateway, owner: str, run_id: str, checkpoint_id: str, p
 
 @router.post(CKPT + "/publish")
 async def publish(run_id: str, kind: str, name: str, g: GatewayDep, caller: CallerDep) -> dict:
+    """Make one of the caller's checkpoints readable by every key."""
     return await _set_public(g, caller.owner, run_id, f"{kind}/{name}", True)
 
 
 @router.delete(CKPT + "/publish")
 async def unpublish(run_id: str, kind: str, name: str, g: GatewayDep, caller: CallerDep) -> dict:
+    """Make a published checkpoint of the caller private again."""
     return await _set_public(g, caller.owner, run_id, f"{kind}/{name}", False)
 
 
@@ -205,6 +212,7 @@ async def get_checkpoint_archive_url(run_id: str, kind: str, name: str, request:
 
 @router.get("/sessions", response_model=wire.ListSessionsResponse)
 async def list_sessions(g: GatewayDep, who: ScopeDep, limit: int = 20, offset: int = 0) -> dict:
+    """Session ids of the caller (every owner's for an admin listing all), newest first; paged."""
     recs = [r for r in await g.bus.meta_list("session") if who is None or r.get("owner") == who]
     recs.sort(key=lambda r: r.get("created", ""), reverse=True)
     return {"sessions": [r["session_id"] for r in recs[offset : offset + limit]]}
@@ -212,6 +220,7 @@ async def list_sessions(g: GatewayDep, who: ScopeDep, limit: int = 20, offset: i
 
 @router.get("/sessions/{session_id}", response_model=wire.GetSessionResponse)
 async def get_session(session_id: str, g: GatewayDep, caller: CallerDep) -> dict:
+    """A session of the caller: its training runs, sampling sessions and metadata."""
     rec = await g.session(session_id, caller.owner)
     return {
         "training_run_ids": rec.get("training_run_ids", []),

@@ -21,6 +21,7 @@ router = APIRouter(prefix=API_PREFIX, route_class=WireRoute)
 
 @router.post("/create_sampling_session", response_model=wire.CreateSamplingSessionResponse)
 async def create_sampling_session(req: wire.CreateSamplingSessionRequest, g: GatewayDep, caller: CallerDep) -> dict:
+    """A sampling session of the caller: a base model, or a readable ``tinker://`` snapshot (``model_path``)."""
     who = caller.owner
     await g.session(req.session_id, who)
     sid = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
@@ -43,6 +44,7 @@ async def create_sampling_session(req: wire.CreateSamplingSessionRequest, g: Gat
 
 @router.get("/samplers/{sampler_id}", response_model=wire.SamplerInfo)
 async def get_sampler(sampler_id: str, g: GatewayDep, caller: CallerDep) -> dict:
+    """``RestClient.get_sampler``: base model and snapshot path of one of the caller's sampling sessions."""
     rec = await g.sampler(sampler_id, caller.owner)
     out = {"sampler_id": rec["sampler_id"], "base_model": rec["base_model"]}
     if rec.get("model_path"):

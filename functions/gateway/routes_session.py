@@ -37,6 +37,7 @@ async def client_config(g: GatewayDep) -> dict:
 
 @router.post("/client/dynamic_config", response_model=wire.ClientDynamicConfigResponse)
 async def dynamic_config() -> dict:
+    """ClientDynamicConfigResponse: sample cancelling is off."""
     return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
 
 
@@ -124,4 +125,5 @@ async def admin_stats(g: GatewayDep, caller: CallerDep):
 
 @router.get("/get_server_capabilities", response_model=wire.GetServerCapabilitiesResponse)
 async def get_server_capabilities(g: GatewayDep) -> dict:
+    """The registered base models (context length, trainable, sampleable)."""
     return {"supported_models": g.registry.capabilities()}

@@ -54,6 +54,7 @@ async def sequenced(g: Gateway, run: dict, op: str, seq_id: int | None, data: di
 
 @router.post("/create_model", response_model=FUTURE)
 async def create_model(req: wire.CreateModelRequest, g: GatewayDep, caller: CallerDep) -> dict:
+    """A new training run (LoRA rank 1-512, AdamW) in the caller's session; a retry gets the same future."""
     lora = req.lora_config.model_dump() if req.lora_config else {"rank": 32}
     require(1 <= int(lora.get("rank", 32)) <= 512, "lora_config.rank", "must be between 1 and 512")
     opt = req.optimizer_config.model_dump() if getattr(req, "optimizer_config", None) else {"type": "adamw"}
@@ -69,6 +70,7 @@ async def create_model(req: wire.CreateModelRequest, g: GatewayDep, caller: Call
 
 @router.post("/get_info", response_model=wire.GetInfoResponse)
 async def get_info(req: wire.GetInfoRequest, g: GatewayDep, caller: CallerDep) -> dict:
+    """Base model, tokenizer id and LoRA rank of one of the caller's runs (synchronous)."""
     run = await g.model(req.model_id, caller.owner)
     out = {
         "type": "get_info",
@@ -99,6 +101,7 @@ async def forward_backward(body: ForwardBackwardDep, g: GatewayDep, caller: Call
 
 @router.post("/optim_step", response_model=FUTURE)
 async def optim_step(req: wire.OptimStepRequest, g: GatewayDep, caller: CallerDep) -> dict:
+    """One AdamW step of the caller's run (``adam_params``; other optimizers are refused)."""
     if req.optimizer_params is not None or req.adam_params is None:
         raise NotSupported("optimizer_params", "only AdamW steps (adam_params) are implemented")
     run = await g.model(req.model_id, caller.owner)
@@ -107,6 +110,7 @@ async def optim_step(req: wire.OptimStepRequest, g: GatewayDep, caller: CallerDe
 
 @router.post("/save_weights", response_model=FUTURE)
 async def save_weights(req: wire.SaveWeightsRequest, g: GatewayDep, caller: CallerDep) -> dict:
+    """Save adapter + optimizer state as ``tinker://<run>/weights/<path or state-<seq_id>>``."""
     path = checkpoint_path(req.model_id, "weights", req.path or f"state-{req.seq_id}")
     run = await g.model(req.model_id, caller.owner)
     return await sequenced(g, run, "save_weights", req.seq_id,
@@ -191,6 +195,7 @@ async def save_weights_external(req: wire.SaveWeightsExternalRequest, g: Gateway
 
 @router.post("/unload_model", response_model=FUTURE)
 async def unload_model(req: wire.UnloadModelRequest, g: GatewayDep, caller: CallerDep) -> dict:
+    """Drop a run of the caller from the trainer (request id ``<model_id>:unload``)."""
     run = await g.model(req.model_id, caller.owner)
     rid = f"{req.model_id}:unload"
     await g.submit("unload_model", rid, req.model_id, payloads.UnloadModel(model_id=req.model_id, seq_id=None).to_data(),

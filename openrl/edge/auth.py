@@ -102,6 +102,8 @@ class Caller:
 
 @dataclass(frozen=True)
 class KeyEntry:
+    """One configured key: its sha256 ``digest`` (32 bytes), ``admin`` flag and ``name`` label."""
+
     digest: bytes
     admin: bool
     name: str

@@ -60,6 +60,8 @@ class SessionHeartbeatRequest(WireModel):
 
 
 class FinishReason(WireModel):
+    """``reason`` of a session finish: ``{type}``."""
+
     type: Literal["success", "errored", "interrupted"] = "success"
 
 

@@ -112,6 +112,8 @@ class ClientDynamicConfigResponse(ResponseModel):
 
 
 class CreateSessionResponse(ResponseModel):
+    """``/create_session``: the new session id; ``warning_message`` is logged by the SDK."""
+
     type: Literal["create_session"] = "create_session"
     session_id: str
     info_message: str | None = None
@@ -120,24 +122,34 @@ class CreateSessionResponse(ResponseModel):
 
 
 class SessionHeartbeatResponse(ResponseModel):
+    """``/session_heartbeat`` while the session is active."""
+
     type: Literal["session_heartbeat"] = "session_heartbeat"
 
 
 class TelemetryResponse(ResponseModel):
+    """``/telemetry``: accepted (and dropped)."""
+
     status: Literal["accepted"] = "accepted"
 
 
 class JoinSamplingSessionResponse(ResponseModel):
+    """``/join_sampling_session`` (not offered by this server)."""
+
     client_counter: int
 
 
 class FutureCompletion(ResponseModel):
+    """One entry of ``/retrieve_futures`` (not offered by this server)."""
+
     state: Literal["finished", "failed"]
     request_id: str
     response_payload_uncompressed_size: int | None = None
 
 
 class RetrieveFuturesResponse(ResponseModel):
+    """``/retrieve_futures`` (not offered by this server)."""
+
     completions: list[FutureCompletion] = []
     cursor: int = 0
 
@@ -146,6 +158,8 @@ class RetrieveFuturesResponse(ResponseModel):
 
 
 class CreateModelResponse(ResponseModel):
+    """Result of the ``create_model`` future."""
+
     type: Literal["create_model"] = "create_model"
     model_id: str
 
@@ -159,6 +173,8 @@ class ModelData(ResponseModel):
 
 
 class GetInfoResponse(ResponseModel):
+    """``/get_info``; ``optimizer_config`` defaults to AdamW."""
+
     type: Literal["get_info"] = "get_info"
     model_id: str
     model_data: ModelData
@@ -169,10 +185,14 @@ class GetInfoResponse(ResponseModel):
 
 
 class OptimStepResponse(ResponseModel):
+    """Result of an ``optim_step`` future."""
+
     metrics: dict[str, float] | None = None
 
 
 class SaveWeightsResponse(ResponseModel):
+    """Result of a ``save_weights`` future: the checkpoint's ``tinker://`` path."""
+
     type: Literal["save_weights"] = "save_weights"
     path: str
 
@@ -186,18 +206,24 @@ class SaveWeightsForSamplerResponse(ResponseModel):
 
 
 class SaveWeightsExternalResponse(ResponseModel):
+    """Result of a ``save_weights_external`` future: path and size in bytes."""
+
     type: Literal["save_weights_external"] = "save_weights_external"
     path: str
     size_bytes: int | None = None
 
 
 class LoadWeightsResponse(ResponseModel):
+    """Result of a ``load_weights`` future."""
+
     type: Literal["load_weights"] = "load_weights"
     path: str | None = None
     model_id: str | None = None
 
 
 class UnloadModelResponse(ResponseModel):
+    """Result of an ``unload_model`` future."""
+
     type: Literal["unload_model"] = "unload_model"
     model_id: str
 
@@ -206,6 +232,8 @@ class UnloadModelResponse(ResponseModel):
 
 
 class CreateSamplingSessionResponse(ResponseModel):
+    """``/create_sampling_session``: id ``<session>:sample:<n>``."""
+
     type: Literal["create_sampling_session"] = "create_sampling_session"
     sampling_session_id: str
 
@@ -222,6 +250,8 @@ class SamplerInfo(ResponseModel):
 
 
 class Cursor(ResponseModel):
+    """Paging of a listing: ``offset`` and ``limit`` asked, ``total_count`` in all."""
+
     offset: int
     limit: int
     total_count: int
@@ -241,11 +271,15 @@ class Checkpoint(ResponseModel):
 
 
 class CheckpointsListResponse(ResponseModel):
+    """``/training_runs/{id}/checkpoints`` and ``/checkpoints``."""
+
     checkpoints: list[Checkpoint] = []
     cursor: Cursor | None = None
 
 
 class TrainingRun(ResponseModel):
+    """One training run as ``RestClient`` shows it."""
+
     training_run_id: str
     base_model: str
     model_owner: str
@@ -260,11 +294,15 @@ class TrainingRun(ResponseModel):
 
 
 class TrainingRunsResponse(ResponseModel):
+    """``/training_runs``: one page, newest first."""
+
     training_runs: list[TrainingRun] = []
     cursor: Cursor
 
 
 class WeightsInfoResponse(ResponseModel):
+    """``/weights_info``: base model and LoRA shape of a checkpoint."""
+
     base_model: str
     is_lora: bool
     lora_rank: int | None = None
@@ -275,6 +313,8 @@ class WeightsInfoResponse(ResponseModel):
 
 
 class SupportedModel(ResponseModel):
+    """One base model of ``/get_server_capabilities`` (context length in tokens)."""
+
     model_name: str | None = None
     max_context_length: int | None = None
     trainable: bool | None = None
@@ -282,19 +322,27 @@ class SupportedModel(ResponseModel):
 
 
 class GetServerCapabilitiesResponse(ResponseModel):
+    """``/get_server_capabilities``."""
+
     supported_models: list[SupportedModel] = []
 
 
 class ExternalWeightsUrlsResponse(ResponseModel):
+    """Signed download URLs of a checkpoint's files (``{file: url}``) and when they expire."""
+
     urls: dict[str, str]
     expires: Timestamp
 
 
 class ListSessionsResponse(ResponseModel):
+    """``/sessions``: session ids, newest first."""
+
     sessions: list[str] = []
 
 
 class GetSessionResponse(ResponseModel):
+    """``/sessions/{id}``."""
+
     training_run_ids: list[str] = []
     sampler_ids: list[str] = []
     user_metadata: dict[str, Any] | None = None
@@ -302,4 +350,6 @@ class GetSessionResponse(ResponseModel):
 
 
 class HealthResponse(ResponseModel):
+    """``/healthz``."""
+
     status: Literal["ok"] = "ok"
