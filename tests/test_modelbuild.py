@@ -327,9 +327,9 @@ def test_cli_serve_wiring(tmp_path, monkeypatch):
     fake = types.ModuleType("openrl.transport.embedded")
     fake.main = lambda args: seen.append(args) or 0
     monkeypatch.setitem(sys.modules, "openrl.transport.embedded", fake)
-    import openrl
+    import openrl.transport
 
-    monkeypatch.setattr(openrl, "embedded", fake, raising=False)
+    monkeypatch.setattr(openrl.transport, "embedded", fake, raising=False)
     monkeypatch.setenv("OPENRL_HOME", str(tmp_path / "h"))
     assert cli_main(["serve", "--port", "9001", "--no-build"]) == 0
     (args,) = seen
