@@ -132,6 +132,11 @@ class Settings(BaseSettings):
     metrics_host: str = Field("0.0.0.0", description="Prometheus /metrics listen address")
     trace_file: str | None = Field(None, description="write spans as JSON lines here")
 
+    @field_validator("home", "storage", "model_registry", "models_dir", mode="before")
+    @classmethod
+    def _path_as_str(cls, v: Any) -> Any:
+        return os.fspath(v) if isinstance(v, os.PathLike) else v
+
     @field_validator("preload", mode="before")
     @classmethod
     def _split_names(cls, v: Any) -> Any:
