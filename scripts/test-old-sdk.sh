@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the SDK compatibility subset (tests/test_compat_sdk.py) with an older tinker SDK.
+# Run the SDK compatibility subset (tests/stack/test_compat_sdk.py) with an older tinker SDK.
 #
 #   bash scripts/test-old-sdk.sh [VERSION ...]      (default: 0.25.0, the oldest 0.25.x)
 #
@@ -44,7 +44,7 @@ for V in "${VERSIONS[@]}"; do
   # (installing it first keeps pip from resolving a CUDA build, as in scripts/install.sh)
   "$VENV/bin/python" -m pip install -q "torch==$TORCH" >/dev/null
   "$VENV/bin/python" -m pip install -q "tinker==$V" "pytest>=8" "pytest-timeout>=2.3" >/dev/null
-  echo "== tests/test_compat_sdk.py with tinker $("$VENV/bin/python" -c 'import tinker; print(tinker.__version__)')"
-  "$VENV/bin/python" -m pytest --noconftest -p no:cacheprovider -q -ra "$ROOT/tests/test_compat_sdk.py" "$@" || rc=$?
+  echo "== tests/stack/test_compat_sdk.py with tinker $("$VENV/bin/python" -c 'import tinker; print(tinker.__version__)')"
+  "$VENV/bin/python" -m pytest --noconftest -p no:cacheprovider -q -ra "$ROOT/tests/stack/test_compat_sdk.py" "$@" || rc=$?
 done
 exit $rc

@@ -39,7 +39,7 @@ def _make_stack(tmp_path_factory, models_dir: Path, **kw):
     state = tmp_path_factory.mktemp("state")
     (state / "models").symlink_to(models_dir, target_is_directory=True)
     (state / "api_key").write_text(_SESSION_KEY + "\n")
-    # every process appends its finished trace spans here (openrl/tracing.py; tests/test_tracing.py)
+    # every process appends its finished trace spans here (openrl/tracing.py; tests/stack/test_tracing.py)
     kw["extra_env"] = {"OPENRL_TRACE_FILE": str(state / "traces.jsonl"), **kw.get("extra_env", {})}
     return Stack(state_dir=state, port=free_port(), **kw)
 

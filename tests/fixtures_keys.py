@@ -1,5 +1,5 @@
 """A session stack with several API keys and tight limits, for the auth, bad-input and
-backpressure suites (tests/test_auth.py, tests/test_errors.py, tests/test_load.py).
+backpressure suites (tests/stack/test_auth.py, tests/stack/test_errors.py, tests/stack/test_load.py).
 
 Keys: ``user`` (the stack's own generated key, = the ``api_key`` fixture), ``other`` (a second
 user) and ``admin``. Limits: a 6 s seq-gap timeout, 24 pending samples, 2 MiB bodies.

@@ -15,7 +15,7 @@
 Wire conventions: every numeric array travels as raw little-endian bytes;
 ``EncodedTextChunk.tokens`` is int32, CSR indices are int64, tensor values use the tensor's
 ``DType``. Field names, numbers, types and proto3 ``optional`` presence match the wire of the
-``tinker`` 0.38.0 SDK exactly (``tests/test_proto.py`` checks this against the SDK's descriptor).
+``tinker`` 0.38.0 SDK exactly (``tests/unit/test_proto.py`` checks this against the SDK's descriptor).
 """
 
 from openrl.edge.proto.compress import MAX_DECOMPRESSED_BYTES, decompress, decompress_head

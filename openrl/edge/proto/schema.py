@@ -3,7 +3,7 @@ import time into message classes in a private ``DescriptorPool`` (so this module
 to the SDK's own generated module in one process), plus the wire enums.
 
 Field names, numbers, types and proto3 ``optional`` presence match the wire of the ``tinker``
-0.38.0 SDK exactly (``tests/test_proto.py`` checks this against the SDK's descriptor).
+0.38.0 SDK exactly (``tests/unit/test_proto.py`` checks this against the SDK's descriptor).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 from text_to_sql import (  # noqa: E402
     Example, SQLEnv, build_database, extract_sql, make_examples, same_result, split_examples,

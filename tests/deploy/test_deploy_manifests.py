@@ -36,8 +36,8 @@ import pytest
 yaml = pytest.importorskip("yaml", reason="PyYAML missing: run scripts/ci-deploy-tools.sh")
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema missing: run scripts/ci-deploy-tools.sh")
 
-ROOT = Path(__file__).resolve().parents[1]
-SCHEMAS = Path(__file__).resolve().parent / "data" / "schemas"
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMAS = Path(__file__).resolve().parents[1] / "data" / "schemas"
 TOOLS_DIR = Path(os.environ.get("OPENRL_DEPLOY_TOOLS", Path.home() / ".cache" / "openrl-deploy-tools"))
 INSTALL_HINT = "run scripts/ci-deploy-tools.sh to install it"
 

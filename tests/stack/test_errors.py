@@ -28,7 +28,7 @@ from conftest import BASE_MODEL
 from fixtures_keys import GAP_TIMEOUT_S, MAX_BODY_BYTES
 from openrl.edge import proto
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 CONTEXT = 4096  # max_context_length of the built model in openrl/data/models.toml
 PB = {"Content-Type": "application/x-protobuf"}
 
@@ -545,8 +545,8 @@ def test_healthy_run_kept_working_and_no_worker_died(ctx):
 
 # Rows of docs/errors.md that are tests of their own rather than CASES entries.
 OTHER_ROWS = {
-    "seq-gap": "tests/test_errors.py::test_seq_gap_timeout_fails_the_waiting_request",
-    "queue-full": "tests/test_load.py::test_full_queue_answers_429_with_retry_after",
+    "seq-gap": "tests/stack/test_errors.py::test_seq_gap_timeout_fails_the_waiting_request",
+    "queue-full": "tests/stack/test_load.py::test_full_queue_answers_429_with_retry_after",
 }
 
 

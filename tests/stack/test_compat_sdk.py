@@ -4,7 +4,7 @@ file runs under the pinned ``tinker`` (0.38.0) and under older protobuf-era rele
 
 Two ways to run it:
 
-* in the main suite (``pytest tests/test_compat_sdk.py``): against the session's embedded
+* in the main suite (``pytest tests/stack/test_compat_sdk.py``): against the session's embedded
   ``stack`` fixture, with the SDK of the main venv;
 * from ``scripts/test-old-sdk.sh VERSION``: a second venv holds ``tinker==VERSION`` (and no
   openrl); the script starts ``openrl serve`` from the main venv and runs this file with

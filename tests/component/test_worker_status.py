@@ -25,10 +25,10 @@ from openrl.transport.bus import Bus
 from openrl.transport.embedded import free_port, start_nats
 from openrl.transport.worker import WORKERS_KEY, WorkerPresence, describe, function_of_consumer, worker_records
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 FAKE_FUNCTION = '''
-"""A fake Function for tests/test_worker_status.py: answers nothing, describes itself."""
+"""A fake Function for tests/component/test_worker_status.py: answers nothing, describes itself."""
 import os
 import time
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-RUNNER = Path(__file__).resolve().parent / "cookbook_runner.py"
+RUNNER = Path(__file__).resolve().parents[1] / "cookbook_runner.py"
 MODEL = "Qwen/Qwen3.5-9B-Base"  # the basic recipes' DEFAULT_MODEL_NAME
 RENDERER = "role_colon"  # model_info.get_recommended_renderer_name(MODEL)
 

@@ -29,7 +29,7 @@ import pytest
 hcl2 = pytest.importorskip("hcl2", reason="python-hcl2 missing: run scripts/ci-deploy-tools.sh")
 yaml = pytest.importorskip("yaml", reason="PyYAML missing: run scripts/ci-deploy-tools.sh")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TF = ROOT / "terraform"
 TOOLS_DIR = Path(os.environ.get("OPENRL_DEPLOY_TOOLS", Path.home() / ".cache" / "openrl-deploy-tools"))
 INSTALL_HINT = "run scripts/ci-deploy-tools.sh to install it"

@@ -1,7 +1,7 @@
 """The trainer's run-state durability on its own: ``RunDurability`` with a real engine on the
 tiny model, a real scheduler and ``file://`` storage in a temp dir (no NATS, no worker, no
 gateway). The end-to-end version (SIGTERM a trainer process, resume through the SDK) is
-tests/test_trainer_resume.py.
+tests/stack/test_trainer_resume.py.
 """
 
 from __future__ import annotations

@@ -520,7 +520,7 @@ async def test_gateway_dead_letter_sink_fails_the_future_and_skips_the_seq_id(ke
 
 def test_docs_faults_section_names_every_test():
     """docs/errors.md "Faults" names each test of this file, and only tests that exist."""
-    doc = (Path(__file__).parents[1] / "docs" / "errors.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "errors.md").read_text()
     section = doc.split("\n## Faults\n", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"`(test_[a-z0-9_]+)`", section))
     here = set(re.findall(r"^(?:async )?def (test_[a-z0-9_]+)\(", Path(__file__).read_text(), flags=re.M))

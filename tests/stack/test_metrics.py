@@ -16,7 +16,7 @@ from tinker import types
 
 from conftest import BASE_MODEL
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "openrl.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "openrl.json"
 
 
 def scrape(url: str) -> tuple[dict, str]:
