@@ -272,7 +272,7 @@ def _configure_run(sub, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=_cmd_run)
 
 
-# -- status, runs, checkpoints (openrl/cli_status.py: REST clients of a gateway) -------------
+# -- status, runs, checkpoints (openrl/cli/status.py: REST clients of a gateway) -------------
 
 from openrl.cli import status as cli_status  # noqa: E402
 

@@ -8,10 +8,10 @@ Everything lives under a state directory (default ``~/.openrl``):
     <state>/nats                JetStream file storage (reused by the next start)
     <state>/storage             checkpoints (file:// storage)
     <state>/ports.json          gateway / NATS URLs and every process's Prometheus /metrics URL
-    <state>/logs                one JSON-lines log per process (openrl/logs.py)
+    <state>/logs                one JSON-lines log per process (openrl/observe/logs.py)
     <state>/api_key             the generated ``tml-`` API key the examples read; the gateway
                                 accepts it (plus any OPENRL_API_KEYS / OPENRL_API_KEYS_FILE
-                                entries) and nothing else (see openrl/auth.py)
+                                entries) and nothing else (see openrl/edge/auth.py)
 """
 
 from __future__ import annotations

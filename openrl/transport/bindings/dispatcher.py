@@ -69,7 +69,7 @@ class Dispatcher:
 
     async def _post(self, url: str, headers: dict, body: bytes) -> httpx.Response:
         token = os.environ.get("OPENRL_INTERNAL_TOKEN")
-        if token and url in (self.reply_to, self.dead_letter):  # the gateway's /events/* sinks (openrl/auth.py)
+        if token and url in (self.reply_to, self.dead_letter):  # the gateway's /events/* sinks (openrl/edge/auth.py)
             headers = {**headers, "X-OpenRL-Internal-Token": token}
         return await self.client.post(url, headers=headers, content=body)
 
