@@ -28,6 +28,15 @@ def models_dir(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.fixture(scope="session")
+def micro_model_dir(tmp_path_factory) -> Path:
+    """The unit tests' micro model (tests/micro_model.py) with tied embeddings and a 256-token
+    context (trainer-side tests)."""
+    from micro_model import write_micro_qwen3
+
+    return write_micro_qwen3(tmp_path_factory.mktemp("micro-qwen3"))
+
+
 _SESSION_KEY = "tml-test-" + __import__("secrets").token_urlsafe(18)
 
 

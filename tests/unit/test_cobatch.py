@@ -30,16 +30,8 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-qwen3")
-    cfg = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(cfg).save_pretrained(d)
-    return d
+def model_dir(micro_model_dir):
+    return micro_model_dir  # tests/conftest.py, tests/micro_model.py
 
 
 @pytest.fixture(params=["stacked", "loop", "blocks", "grouped"])

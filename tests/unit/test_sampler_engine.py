@@ -23,6 +23,8 @@ from openrl.errors import ServerError, UserError
 from openrl.model.lora import LoraSpec, MultiLoRAModel, save_peft_adapter
 from openrl.model.logprobs import target_logprobs
 
+from micro_model import write_micro_qwen3  # tests/micro_model.py
+
 VOCAB = 512
 EOS = 0  # "<|endoftext|>" is the tokenizer's first (special) token
 
@@ -53,23 +55,10 @@ def _build_tokenizer(directory: Path) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-qwen3")
-    cfg = transformers.Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        max_position_embeddings=128,
-        eos_token_id=EOS,
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(cfg)
-    with torch.no_grad():  # sharper logits than the default init: fewer near-ties
-        model.lm_head.weight.normal_(0, 0.5)
-    model.save_pretrained(str(d))
+    """The unit tests' micro model (tests/unit/conftest.py), untied, 128-token context, a sharp
+    head (fewer near-ties), with a real tokenizer."""
+    d = write_micro_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), max_positions=128, tie=False,
+                          sharp_head=True, eos_token_id=EOS)
     _build_tokenizer(d)
     return d
 
