@@ -181,5 +181,7 @@ def app_from_env(cfg: "Settings | dict | None" = None) -> FastAPI:
 
     cfg = Settings.of(cfg)
     registry = ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
+    from openrl.edge.auth import load_keys
+
     return create_app(nats_url=cfg.nats_url, storage_url=cfg.storage_url, registry=registry,
-                      settings=GatewaySettings.of(cfg))
+                      settings=GatewaySettings.of(cfg), keys=load_keys(cfg))

@@ -33,6 +33,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse
 
 from functions.gateway.deps import get_gateway
+from openrl.config import Settings
 from openrl.errors import NotFound, UserError
 from openrl.storage import TinkerPath, check_name
 
@@ -44,12 +45,12 @@ DEFAULT_TTL_S = 3600
 
 def url_ttl_s() -> int:
     """Seconds a download URL stays valid (``$OPENRL_DOWNLOAD_TTL_S``, default 3600)."""
-    return max(1, int(os.environ.get("OPENRL_DOWNLOAD_TTL_S", str(DEFAULT_TTL_S))))
+    return max(1, Settings().download_ttl_s)
 
 
 async def _secret(request: Request) -> bytes:
     """The shared HMAC key: ``$OPENRL_DOWNLOAD_SECRET`` or one random key kept in the KV bucket."""
-    env = os.environ.get("OPENRL_DOWNLOAD_SECRET")
+    env = Settings().download_secret
     if env:
         return env.encode()
     cached = getattr(request.app.state, "download_secret", None)
@@ -77,7 +78,7 @@ def signature(secret: bytes, path: TinkerPath, file: str, expires: int) -> str:
 
 def _public_base(request: Request) -> str:
     """Base URL clients reach the gateway at: ``$OPENRL_PUBLIC_URL`` or the request's own."""
-    return (os.environ.get("OPENRL_PUBLIC_URL") or str(request.base_url)).rstrip("/")
+    return (Settings().public_url or str(request.base_url)).rstrip("/")
 
 
 def _gcs_signed_urls(storage, path: TinkerPath, files: list[str], expires: datetime) -> dict[str, str] | None:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, WireRoute
+from openrl.config import Settings
 from openrl.edge import wire
 from openrl.transport.bus import now_iso
 
@@ -28,7 +28,7 @@ async def client_config(g: GatewayDep) -> dict:
         "fwdbwd_max_chunk_bytes_count": min(5_000_000, g.body_limit() // 2),
         # OPENRL_PROTO_COMPRESS=1: the SDK zstd-compresses forward_backward bodies
         # (Content-Encoding: zstd; the gateway decompresses them, capped at the body limit)
-        "proto_compress_fwdbwd": os.environ.get("OPENRL_PROTO_COMPRESS", "0").strip().lower() in ("1", "true", "yes"),
+        "proto_compress_fwdbwd": Settings().proto_compress,
         "sample_use_retrieve_futures": False,
         "sample_join_sampling_session": False,
         "custom_loss_server_side": False,

@@ -29,7 +29,6 @@ Not thread-safe: call it from one thread (or serialise calls).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -39,6 +38,7 @@ import torch
 
 from functions.trainer import losses
 from functions.trainer.optim import AdamConfig, RunOptimizer, step_many
+from openrl.config import Settings
 from openrl.edge.proto import FwdBwdDatum
 from openrl.errors import NotFound, ServerError, UserError
 from openrl.model.lora import (
@@ -124,6 +124,8 @@ class TrainerEngine:
         max_tokens: most padded tokens (rows x longest row) per micro-batch; a single longer
             row still runs, alone.
         chunk_tokens: tokens per vocabulary-projection chunk (see ``openrl.model.logprobs``).
+        fused_kernels: use the fused LoRA kernels on CUDA (:func:`openrl.model.kernels.accelerate_model`);
+            None: ``Settings().fused_kernels`` (``$OPENRL_FUSED_KERNELS``, default on).
     """
 
     def __init__(
@@ -134,11 +136,12 @@ class TrainerEngine:
         max_rows: int = 64,
         max_tokens: int = 32768,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        fused_kernels: bool | None = None,
     ):
         from transformers import AutoModelForCausalLM
 
         base = AutoModelForCausalLM.from_pretrained(str(base_model_dir), dtype=dtype)
-        self._setup(base, Path(base_model_dir), device, max_rows, max_tokens, chunk_tokens)
+        self._setup(base, Path(base_model_dir), device, max_rows, max_tokens, chunk_tokens, fused_kernels)
 
     @classmethod
     def from_base_model(
@@ -149,14 +152,16 @@ class TrainerEngine:
         max_tokens: int = 32768,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         name: str = "",
+        fused_kernels: bool | None = None,
     ) -> "TrainerEngine":
         """An engine around an already-built causal LM (benchmarks, tests); ``name`` is
         recorded as the base model directory in saved ``run.json`` files."""
         self = cls.__new__(cls)
-        self._setup(base, Path(name), device, max_rows, max_tokens, chunk_tokens)
+        self._setup(base, Path(name), device, max_rows, max_tokens, chunk_tokens, fused_kernels)
         return self
 
-    def _setup(self, base, base_model_dir: Path, device, max_rows: int, max_tokens: int, chunk_tokens: int) -> None:
+    def _setup(self, base, base_model_dir: Path, device, max_rows: int, max_tokens: int, chunk_tokens: int,
+               fused_kernels: bool | None = None) -> None:
         self.base_model_dir = base_model_dir
         base.to(device).eval()
         #: dtype of the frozen base weights (adapters and optimizer state are float32)
@@ -165,7 +170,9 @@ class TrainerEngine:
         self.device = torch.device(device)
         #: fused-kernel status per kernel (empty on CPU); see openrl.model.kernels.accelerate_model
         self.kernels: dict[str, str] = {}
-        if self.device.type == "cuda" and os.environ.get("OPENRL_FUSED_KERNELS", "1") != "0":
+        if fused_kernels is None:
+            fused_kernels = Settings().fused_kernels
+        if self.device.type == "cuda" and fused_kernels:
             self.kernels = accelerate_model(base)
         self.max_rows = int(max_rows)
         self.max_tokens = int(max_tokens)

@@ -87,6 +87,7 @@ class TrainerFunction:
         self.storage = open_storage(cfg.storage_url)
         self.registry = registry or ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
         self.device = resolve_device(cfg.device)
+        self.fused_kernels = cfg.fused_kernels
         self._limit_gpu_memory(cfg.trainer_gpu_memory)
         self.scheduler = Scheduler(
             self._run_packed, self._run_single, self.runs.group_of,
@@ -171,7 +172,8 @@ class TrainerFunction:
         with self._engine_load_lock:
             if key not in self.engines:
                 dtype = resolve_dtype(getattr(entry, "dtype", None), self.device)
-                self.engines[key] = TrainerEngine(Path(entry.path), device=self.device, dtype=dtype)
+                self.engines[key] = TrainerEngine(Path(entry.path), device=self.device, dtype=dtype,
+                                                   fused_kernels=self.fused_kernels)
         return key
 
     def _engine(self, model_id: str):

@@ -44,9 +44,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from openrl.config import Settings
 
 log = logging.getLogger("openrl.edge.auth")
 
@@ -200,19 +202,30 @@ def _split_env(value: str) -> list[str]:
     return [p.strip() for p in value.split(",") if p.strip()]
 
 
-def load_keys(env: dict[str, str] | None = None) -> KeyRing:
+def load_keys(env: Mapping[str, str] | Settings | None = None) -> KeyRing:
     """Build the :class:`KeyRing` from ``OPENRL_API_KEYS`` / ``OPENRL_API_KEYS_FILE``,
-    ``OPENRL_INSECURE_ANY_KEY`` and ``OPENRL_INTERNAL_TOKEN`` (default: ``os.environ``).
+    ``OPENRL_INSECURE_ANY_KEY`` and ``OPENRL_INTERNAL_TOKEN``.
+
+    Args:
+        env: a :class:`openrl.config.Settings` (its ``api_keys``, ``api_keys_file``,
+            ``insecure_any_key``, ``internal_token``), or a mapping of those variable names
+            to strings that replaces the environment (tests); default ``Settings()``.
 
     Raises:
         AuthConfigError: a malformed entry, an unreadable key file, or no keys at all
             without ``OPENRL_INSECURE_ANY_KEY=1``.
     """
-    env = os.environ if env is None else env
+    if env is None or isinstance(env, Settings):
+        cfg = env if env is not None else Settings()
+        api_keys, path = cfg.api_keys or "", cfg.api_keys_file
+        allow_any, token = cfg.insecure_any_key, cfg.internal_token or None
+    else:
+        api_keys, path = env.get("OPENRL_API_KEYS", ""), env.get("OPENRL_API_KEYS_FILE")
+        allow_any = env.get("OPENRL_INSECURE_ANY_KEY", "").lower() in ("1", "true", "yes")
+        token = env.get("OPENRL_INTERNAL_TOKEN") or None
     entries: list[KeyEntry] = []
-    for i, item in enumerate(_split_env(env.get("OPENRL_API_KEYS", ""))):
+    for i, item in enumerate(_split_env(api_keys)):
         entries.append(parse_entry(item, f"OPENRL_API_KEYS entry {i + 1}"))
-    path = env.get("OPENRL_API_KEYS_FILE")
     if path:
         try:
             lines = Path(path).read_text().splitlines()
@@ -222,7 +235,6 @@ def load_keys(env: dict[str, str] | None = None) -> KeyRing:
             line = line.strip()
             if line and not line.startswith("#"):
                 entries.append(parse_entry(line, f"{path}:{n}"))
-    allow_any = env.get("OPENRL_INSECURE_ANY_KEY", "").lower() in ("1", "true", "yes")
     if not entries and not allow_any:
         raise AuthConfigError(
             "no API keys configured: set OPENRL_API_KEYS (comma-separated) or OPENRL_API_KEYS_FILE "
@@ -230,7 +242,6 @@ def load_keys(env: dict[str, str] | None = None) -> KeyRing:
     if allow_any:
         log.warning("OPENRL_INSECURE_ANY_KEY=1: ANY 'tml-' API key is accepted; runs are still separated by key, "
                     "but anyone who can reach this gateway can use it. Do not expose it.")
-    token = env.get("OPENRL_INTERNAL_TOKEN") or None
     if token is None:
         log.warning("OPENRL_INTERNAL_TOKEN is not set: /events/* accept unauthenticated result events; "
                     "route them cluster-locally only")

@@ -13,9 +13,10 @@ weights, without extra settings. The choice, in order:
 
 from __future__ import annotations
 
-import os
 
 import torch
+
+from openrl.config import Settings
 
 #: Environment variable naming the device (``auto``, ``cpu``, ``cuda``, ``cuda:N``).
 DEVICE_ENV = "OPENRL_DEVICE"
@@ -37,7 +38,7 @@ def resolve_device(explicit: str | None = None) -> str:
     Raises:
         ValueError: an unknown device name, or a CUDA device asked for where none is available.
     """
-    name = (explicit or os.environ.get(DEVICE_ENV) or "auto").strip().lower()
+    name = (explicit or Settings().device or "auto").strip().lower()
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":

@@ -21,10 +21,11 @@ import contextlib
 import contextvars
 import json
 import logging
-import os
 import sys
 import time
 from typing import Iterator
+
+from openrl.config import Settings
 
 _CONTEXT: contextvars.ContextVar[dict] = contextvars.ContextVar("openrl_log_context", default={})
 
@@ -118,7 +119,8 @@ def setup(service: str, *, level: str | None = None, fmt: str | None = None, str
     Returns:
         The installed handler.
     """
-    fmt = (fmt or os.environ.get("OPENRL_LOG_FORMAT") or "json").lower()
+    env = Settings() if not (fmt and level) else None
+    fmt = (fmt or env.log_format or "json").lower()
     handler = logging.StreamHandler(stream or sys.stderr)
     if fmt == "text":
         handler.setFormatter(_TextContext("%(asctime)s %(name)s %(levelname)s %(message)s"))
@@ -128,5 +130,5 @@ def setup(service: str, *, level: str | None = None, fmt: str | None = None, str
     for h in list(root.handlers):
         root.removeHandler(h)
     root.addHandler(handler)
-    root.setLevel((level or os.environ.get("OPENRL_LOG_LEVEL") or "INFO").upper())
+    root.setLevel((level or env.log_level or "INFO").upper())
     return handler

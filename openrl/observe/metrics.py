@@ -35,7 +35,6 @@ the API keys in use.
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
@@ -44,6 +43,8 @@ from collections import OrderedDict
 from prometheus_client import (
     CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, Info, disable_created_metrics, generate_latest,
 )
+
+from openrl.config import Settings
 
 disable_created_metrics()  # no *_created series: they double the exposition and dashboards never use them
 
@@ -110,13 +111,15 @@ def serve(port: int | None = None, host: str | None = None) -> int:
     Raises:
         OSError: the port is taken.
     """
-    if port is None:
-        port = int(os.environ.get("OPENRL_METRICS_PORT") or 0)
+    if port is None or not host:
+        env = Settings()
+        port = env.metrics_port if port is None else port
+        host = host or env.metrics_host
     if not port:
         return 0
     from prometheus_client import start_http_server
 
-    start_http_server(port, addr=host or os.environ.get("OPENRL_METRICS_HOST", "0.0.0.0"))
+    start_http_server(port, addr=host)
     return port
 
 

@@ -31,6 +31,8 @@ import os
 import threading
 from typing import Iterator
 
+from openrl.config import Settings
+
 log = logging.getLogger("openrl.observe.tracing")
 
 try:  # the API is light; the SDK and exporters are only needed when tracing is on
@@ -69,7 +71,7 @@ def setup(service: str, *, exporter=None) -> bool:
     """
     global _provider, _enabled
     otlp = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    trace_file = os.environ.get("OPENRL_TRACE_FILE")
+    trace_file = Settings().trace_file
     if trace is None or not (otlp or trace_file or exporter is not None):
         return _enabled
     try:

@@ -2,22 +2,10 @@
 
 from __future__ import annotations
 
-from __future__ import annotations
-
-import fcntl
-import hashlib
-import json
-import os
-import shutil
-import tempfile
 import time
-import uuid
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
-from urllib.parse import urlparse
 
-from openrl.errors import NotFound, ServerError, UserError
+from openrl.config import Settings
+from openrl.errors import NotFound, UserError
 from openrl.storage.base import Storage
 from openrl.storage.layout import TinkerPath
 
@@ -66,7 +54,7 @@ class ExpirySweeper:
     """
 
     def __init__(self, storage: Storage, interval_s: float | None = None):
-        raw = interval_s if interval_s is not None else os.environ.get("OPENRL_SWEEP_INTERVAL_S", "300")
+        raw = interval_s if interval_s is not None else Settings().sweep_interval_s
         try:
             self.interval_s = float(raw)
         except (TypeError, ValueError):

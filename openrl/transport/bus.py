@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 import time
 from typing import Any
 
@@ -18,6 +17,7 @@ import nats
 from nats.js import api
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
+from openrl.config import Settings
 from openrl.contract.records import FutureRecord
 from openrl.contract.topology import (
     FUTURES_BUCKET,
@@ -65,9 +65,11 @@ class Bus:
     """
 
     def __init__(self, url: str | None = None, *, ack_wait_s: float | None = None, max_deliver: int = 5):
-        self.url = url or os.environ.get("OPENRL_NATS_URL", "nats://127.0.0.1:4222")
-        if ack_wait_s is None:
-            ack_wait_s = float(os.environ.get("OPENRL_ACK_WAIT_S", "30"))
+        if not url or ack_wait_s is None:
+            env = Settings()
+            url = url or env.nats_url
+            ack_wait_s = env.ack_wait_s if ack_wait_s is None else ack_wait_s
+        self.url = url
         if not ack_wait_s > 0:
             raise ValueError(f"ack_wait_s (OPENRL_ACK_WAIT_S) must be > 0 seconds, got {ack_wait_s}")
         self.ack_wait_s = float(ack_wait_s)
@@ -109,7 +111,7 @@ class Bus:
         try:
             return await self.js.key_value(name)
         except BucketNotFoundError:
-            ttl = float(os.environ.get("OPENRL_FUTURES_TTL_S", str(7 * 86400))) if name == FUTURES_BUCKET else 0
+            ttl = Settings().futures_ttl_s if name == FUTURES_BUCKET else 0
             return await self.js.create_key_value(
                 api.KeyValueConfig(bucket=name, history=1, storage=api.StorageType.FILE, max_value_size=-1,
                                    ttl=ttl or None)

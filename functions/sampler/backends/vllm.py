@@ -75,6 +75,7 @@ from functions.sampler.backends.vllm_settings import (
 )
 from functions.sampler.stops import resolve_stop
 from functions.sampler.types import SampleJob, SampleResult
+from openrl.config import Settings
 from openrl.errors import ServerError, UserError
 
 log = logging.getLogger(__name__)
@@ -137,11 +138,10 @@ class VLLMBackend:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        env = os.environ
         settings = engine_settings(max_batch_rows=max_batch_rows, max_loras=max_loras, max_lora_rank=max_lora_rank,
                                    max_cpu_loras=max_cpu_loras, gpu_memory_utilization=gpu_memory_utilization,
                                    enforce_eager=enforce_eager, engine_kwargs=engine_kwargs)
-        unembed_lora = unembed_lora or env.get("OPENRL_VLLM_UNEMBED_LORA", "drop")
+        unembed_lora = unembed_lora or Settings().vllm_unembed_lora or "drop"
         if not str(device).startswith("cuda"):
             raise ValueError(f"the vLLM sampler backend needs a CUDA device, got {device!r}")
         if unembed_lora not in ("drop", "keep"):
@@ -178,7 +178,7 @@ class VLLMBackend:
         kw.update(settings)
         self.engine_args = kw
         log.info("vLLM engine: max_num_seqs=%s max_loras=%s gpu_memory_utilization=%s cache=%s",
-                 kw["max_num_seqs"], kw["max_loras"], kw["gpu_memory_utilization"], env.get("VLLM_CACHE_ROOT"))
+                 kw["max_num_seqs"], kw["max_loras"], kw["gpu_memory_utilization"], os.environ.get("VLLM_CACHE_ROOT"))
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
         self._ids: dict[str, int] = {}  # adapter key -> LoRA int id
         self._requests: dict[str, Any] = {}  # key -> LoRARequest

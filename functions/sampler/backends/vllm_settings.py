@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from openrl.config import DEFAULT_HOME
+from openrl.config import DEFAULT_HOME, Settings
 
 #: LoRA ranks vLLM 0.24 accepts for ``max_lora_rank``.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -60,10 +60,10 @@ def configure_vllm_env(env: "os._Environ[str] | dict[str, str] | None" = None) -
 
     Returns the values it set (empty when everything was set already).
     """
-    env = os.environ if env is None else env
+    home = Settings().home_dir if env is None else Path(env.get("OPENRL_HOME") or DEFAULT_HOME).expanduser()
+    env = os.environ if env is None else env  # written: vLLM reads these itself (and its workers inherit them)
     done: dict[str, str] = {}
     if not env.get("VLLM_CACHE_ROOT"):
-        home = Path(env.get("OPENRL_HOME") or DEFAULT_HOME).expanduser()
         done["VLLM_CACHE_ROOT"] = str(home / "cache" / "vllm")
     if not env.get("VLLM_NO_USAGE_STATS"):
         done["VLLM_NO_USAGE_STATS"] = "1"
@@ -103,11 +103,17 @@ def engine_settings(
         ValueError: a value out of range (rank not in :data:`VLLM_LORA_RANKS`, memory share
             not in (0, 1], fewer than 1 sequence or adapter).
     """
-    env = os.environ if env is None else env
-    seqs = int(max_batch_rows or _env_value(MAX_NUM_SEQS_ENV, env) or DEFAULT_MAX_NUM_SEQS)
-    loras = int(max_loras or _env_value(MAX_LORAS_ENV, env) or DEFAULT_MAX_LORAS)
-    rank = int(max_lora_rank or _env_value(MAX_LORA_RANK_ENV, env) or 32)
-    mem = float(gpu_memory_utilization or _env_value(GPU_MEMORY_ENV, env) or DEFAULT_GPU_MEMORY)
+    if env is None:  # the OPENRL_* environment through Settings (old names included)
+        s = Settings()
+        env_seqs, env_loras, env_rank, env_mem = (s.sampler_max_num_seqs, s.vllm_max_loras, s.vllm_max_lora_rank,
+                                                  s.sampler_gpu_memory)
+    else:  # an explicit mapping of variable names (tests)
+        env_seqs, env_loras, env_rank, env_mem = (_env_value(MAX_NUM_SEQS_ENV, env), _env_value(MAX_LORAS_ENV, env),
+                                                  _env_value(MAX_LORA_RANK_ENV, env), _env_value(GPU_MEMORY_ENV, env))
+    seqs = int(max_batch_rows or env_seqs or DEFAULT_MAX_NUM_SEQS)
+    loras = int(max_loras or env_loras or DEFAULT_MAX_LORAS)
+    rank = int(max_lora_rank or env_rank or 32)
+    mem = float(gpu_memory_utilization or env_mem or DEFAULT_GPU_MEMORY)
     if rank not in VLLM_LORA_RANKS:
         raise ValueError(f"max_lora_rank must be one of {VLLM_LORA_RANKS}, got {rank}")
     if not 0 < mem <= 1:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 
 import httpx
 from nats.errors import TimeoutError as NatsTimeout
 
+from openrl.config import Settings
 from openrl.contract import events, topology
 from openrl.transport.bus import Bus
 
@@ -40,14 +40,17 @@ class Dispatcher:
         dead_letter: the URL undeliverable requests are POSTed to.
         retries: delivery attempts after the first; backoff ``backoff_s · 2^n`` seconds.
         timeout_s: HTTP timeout of one delivery (a training step can be long).
+        internal_token: shared secret sent (``X-OpenRL-Internal-Token``) to the gateway's
+            ``/events/*`` sinks; default ``Settings().internal_token`` (``$OPENRL_INTERNAL_TOKEN``).
     """
 
     def __init__(self, bus: Bus, *, stream: str, durable: str, filter_subject: str, target: str, reply_to: str,
                  dead_letter: str, retries: int = 5, backoff_s: float = 0.2, timeout_s: float = 600.0,
-                 concurrency: int = 256):
+                 concurrency: int = 256, internal_token: str | None = None):
         self.bus, self.stream, self.durable, self.filter_subject = bus, stream, durable, filter_subject
         self.target, self.reply_to, self.dead_letter = target, reply_to, dead_letter
         self.retries, self.backoff_s = retries, backoff_s
+        self.internal_token = internal_token if internal_token is not None else Settings().internal_token
         self.client = httpx.AsyncClient(timeout=timeout_s)
         self.sem = asyncio.Semaphore(concurrency)
         self._stop = asyncio.Event()
@@ -68,7 +71,7 @@ class Dispatcher:
                 t.add_done_callback(self._tasks.discard)
 
     async def _post(self, url: str, headers: dict, body: bytes) -> httpx.Response:
-        token = os.environ.get("OPENRL_INTERNAL_TOKEN")
+        token = self.internal_token
         if token and url in (self.reply_to, self.dead_letter):  # the gateway's /events/* sinks (openrl/edge/auth.py)
             headers = {**headers, "X-OpenRL-Internal-Token": token}
         return await self.client.post(url, headers=headers, content=body)
