@@ -15,6 +15,7 @@ from pathlib import Path
 
 from openrl.config import Settings
 from openrl.contract import events, topology
+from openrl.contract.records import FutureMeta
 
 from openrl.observe import metrics
 
@@ -226,7 +227,7 @@ class Gateway:
         duplicate is harmless (the trainer skips seq_ids it applied; a sample is re-run).
         """
         # "t0": when the request was accepted (unix s); the session trace export starts its slice there
-        future_meta = {**(future_meta or {}), "t0": round(time.time(), 6)}
+        future_meta = FutureMeta.make(**{**(future_meta or {}), "t0": round(time.time(), 6)})
         created = await self.bus.future_create(request_id, op, meta=future_meta)
         if not created:
             if self.settings.k_sink:  # the sink path forgets a future whose publish failed

@@ -22,6 +22,7 @@ from fastapi import APIRouter, Header
 
 from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, WireRoute
 from functions.gateway.runs import add_to_session, model_id_for, readable_manifest
+from openrl.contract.records import Session, TrainingRun
 from openrl.edge import wire
 from openrl.transport.bus import now_iso
 from openrl.errors import NotSupported, UserError
@@ -58,20 +59,20 @@ async def copy_weights(req: wire.CopyWeightsRequest, g: GatewayDep, caller: Call
         await g.session(session_id, who)
     else:
         session_id, slot = uuid.uuid4().hex[:20], 0
-        await g.bus.meta_put({
-            "session_id": session_id, "owner": who, "tags": ["copy_weights"], "user_metadata": {},
-            "display_name": None, "project_id": req.destination_project_id, "sdk_version": None,
-            "created": now_iso(), "last_heartbeat": now_iso(), "status": "finished", "finish_reason": "success",
-            "training_run_ids": [], "sampler_ids": [],
-        }, "session", session_id)
+        await g.bus.meta_put(Session.make(
+            session_id=session_id, owner=who, tags=["copy_weights"], user_metadata={},
+            display_name=None, project_id=req.destination_project_id, sdk_version=None,
+            created=now_iso(), last_heartbeat=now_iso(), status="finished", finish_reason="success",
+            training_run_ids=[], sampler_ids=[],
+        ), "session", session_id)
     model_id = model_id_for(session_id, slot)
-    rec = {
-        "model_id": model_id, "session_id": session_id, "owner": who, "base_model": m.get("base_model"),
-        "lora_config": m.get("lora_config") or {}, "optimizer_config": m.get("optimizer_config"),
-        "tokenizer_id": _tokenizer_id(g, m.get("base_model")), "shard": g.shard_of(model_id),
-        "created": now_iso(), "last_request_time": now_iso(), "user_metadata": {},
-        "frozen": True, "copy_of": str(src),
-    }
+    rec = TrainingRun.make(
+        model_id=model_id, session_id=session_id, owner=who, base_model=m.get("base_model"),
+        lora_config=m.get("lora_config") or {}, optimizer_config=m.get("optimizer_config"),
+        tokenizer_id=_tokenizer_id(g, m.get("base_model")), shard=g.shard_of(model_id),
+        created=now_iso(), last_request_time=now_iso(), user_metadata={},
+        frozen=True, copy_of=str(src),
+    )
     if not await g.bus.meta_create(rec, "model", model_id):
         raise UserError("model_seq_id", f"training run {model_id!r} already exists; pick an unused model_seq_id")
     await add_to_session(g, session_id, "training_run_ids", model_id)

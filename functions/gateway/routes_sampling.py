@@ -12,6 +12,7 @@ from functions.gateway.context import require
 from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, WireRoute
 from functions.gateway.runs import add_to_session, readable_manifest
 from openrl.contract import payloads
+from openrl.contract.records import SamplerSession
 from openrl.edge import wire
 from openrl.transport.bus import SAMPLE_STREAM, now_iso
 from openrl.storage import TinkerPath
@@ -35,8 +36,8 @@ async def create_sampling_session(req: wire.CreateSamplingSessionRequest, g: Gat
         require(bool(req.base_model), "base_model", "either base_model or model_path is required")
         base, path = req.base_model, None
     g.registry.resolve(base)
-    rec = {"sampler_id": sid, "owner": who, "base_model": base, "model_path": path,
-           "session_id": req.session_id, "created": now_iso()}
+    rec = SamplerSession.make(sampler_id=sid, owner=who, base_model=base, model_path=path,
+                              session_id=req.session_id, created=now_iso())
     await g.bus.meta_put(rec, "sampler", sid)
     await add_to_session(g, req.session_id, "sampler_ids", sid)
     return {"sampling_session_id": sid}

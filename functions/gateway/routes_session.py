@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 
 from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, WireRoute
 from openrl.config import Settings
+from openrl.contract.records import Session
 from openrl.edge import wire
 from openrl.transport.bus import now_iso
 
@@ -45,20 +46,20 @@ async def dynamic_config() -> dict:
 async def create_session(req: wire.CreateSessionRequest, g: GatewayDep, caller: CallerDep) -> dict:
     """Create a session; its id is URL-safe hex and never contains ':'."""
     session_id = uuid.uuid4().hex[:20]
-    rec = {
-        "session_id": session_id,
-        "owner": caller.owner,
-        "tags": list(req.tags or []),
-        "user_metadata": req.user_metadata or {},
-        "display_name": req.display_name,
-        "project_id": req.project_id,
-        "sdk_version": req.sdk_version,
-        "created": now_iso(),
-        "last_heartbeat": now_iso(),
-        "status": "active",
-        "training_run_ids": [],
-        "sampler_ids": [],
-    }
+    rec = Session.make(
+        session_id=session_id,
+        owner=caller.owner,
+        tags=list(req.tags or []),
+        user_metadata=req.user_metadata or {},
+        display_name=req.display_name,
+        project_id=req.project_id,
+        sdk_version=req.sdk_version,
+        created=now_iso(),
+        last_heartbeat=now_iso(),
+        status="active",
+        training_run_ids=[],
+        sampler_ids=[],
+    )
     await g.bus.meta_put(rec, "session", session_id)
     out = {"session_id": session_id}
     if getattr(g.keys, "allow_any", False):  # logged by the SDK

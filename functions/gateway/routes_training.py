@@ -21,6 +21,7 @@ from functions.gateway.fwdbwd import ForwardBackwardDep, validate_datums
 from functions.gateway.runs import checkpoint_path, check_optimizer, new_run, readable_manifest, refuse_frozen
 from functions.gateway.skips import MAX_SEQ_ID, SkipRejected, request_id_for
 from openrl.contract import payloads
+from openrl.contract.records import SamplerSession
 from openrl.edge import wire
 from openrl.errors import NotSupported
 from openrl.storage import TinkerPath
@@ -130,8 +131,9 @@ async def save_weights_for_sampler(req: wire.SaveWeightsForSamplerRequest, g: Ga
     sid = f"{run['session_id']}:sample:{req.sampling_session_seq_id}"
     path = checkpoint_path(req.model_id, "sampler_weights", f"s{req.seq_id}-{req.sampling_session_seq_id}")
     data.update(path=path, sampling_session_id=sid)
-    await g.bus.meta_put({"sampler_id": sid, "owner": run["owner"], "base_model": run["base_model"],
-                          "model_path": path, "session_id": run["session_id"], "created": now_iso()}, "sampler", sid)
+    await g.bus.meta_put(SamplerSession.make(sampler_id=sid, owner=run["owner"], base_model=run["base_model"],
+                                             model_path=path, session_id=run["session_id"], created=now_iso()),
+                         "sampler", sid)
     return await sequenced(g, run, "save_weights_for_sampler", req.seq_id, data)
 
 

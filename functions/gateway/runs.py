@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from functions.gateway.context import Gateway
+from openrl.contract.records import TrainingRun
 from openrl.errors import NotFound, NotSupported, UserError
 from openrl.storage import TinkerPath
 from openrl.transport.bus import now_iso
@@ -47,7 +48,7 @@ async def new_run(g: Gateway, owner: str, session_id: str, model_seq_id: int, ba
     await g.session(session_id, owner)
     entry = g.registry.resolve(base_model)
     model_id = model_id_for(session_id, model_seq_id)
-    rec = {
+    rec = TrainingRun.make(**{
         "model_id": model_id,
         "session_id": session_id,
         "owner": owner,
@@ -58,7 +59,7 @@ async def new_run(g: Gateway, owner: str, session_id: str, model_seq_id: int, ba
         "created": now_iso(),
         "last_request_time": now_iso(),
         **extra,
-    }
+    })
     if await g.bus.meta_create(rec, "model", model_id):
         await add_to_session(g, session_id, "training_run_ids", model_id)
         return rec

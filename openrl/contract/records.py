@@ -71,6 +71,17 @@ class Record(BaseModel):
         """The JSON dict to store."""
         return self.model_dump(mode="json")
 
+    @classmethod
+    def make(cls, **fields: Any) -> dict[str, Any]:
+        """A new record's JSON dict: ``fields`` validated as this model, then exactly the
+        keys given (``model_dump(mode="json", exclude_unset=True)``; defaults are not
+        added, so the stored JSON is what the caller wrote).
+
+        Raises:
+            pydantic.ValidationError: a missing required field or a value of the wrong type.
+        """
+        return cls(**fields).model_dump(mode="json", exclude_unset=True)
+
 
 class FutureMeta(Record):
     """``FutureRecord.meta``: ``owner`` (owner id of the caller's key), ``t0`` (unix s the
