@@ -17,9 +17,13 @@ The state directory ``$OPENRL_HOME`` defaults to :data:`DEFAULT_HOME` (``~/.open
 here and nowhere else; storage defaults to ``file://<home>/storage`` for the gateway and
 the workers alike.
 
-Some modules outside the functions still read their variable where it is used (the bus,
-logs, metrics, tracing, the gateway's download and auth code, vLLM's engine knobs); their
-fields are declared here too, so this class is the one list of what can be configured.
+Modules outside the functions that need a setting where it is used (the bus, the dispatcher,
+logs, metrics, tracing, the gateway's download and auth code, the sweeper, the device and
+model-registry fallbacks, vLLM's engine knobs) read it through ``Settings()`` too, or take it
+as a parameter from a caller that has the cfg; this class is the one list of what can be
+configured. Only the test hold points (``OPENRL_TEST_HOLD_FILE``, :mod:`openrl.testhooks`)
+and other programs' variables (``OTEL_*``, ``STORAGE_EMULATOR_HOST``,
+``GOOGLE_CLOUD_PROJECT``, ``TINKER_*``, ``VLLM_*``) are read from ``os.environ`` directly.
 
 This module is a leaf: it imports nothing of openrl.
 """

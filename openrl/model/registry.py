@@ -43,7 +43,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from openrl.config import DEFAULT_HOME
+from openrl.config import DEFAULT_HOME, Settings
 from openrl.errors import UserError
 
 #: Environment variable naming an alternative registry TOML file.
@@ -71,8 +71,9 @@ def state_dir(explicit: str | os.PathLike | None = None) -> Path:
 
     Returns an absolute path with ``~`` expanded; does not create it.
     """
-    raw = explicit if explicit not in (None, "") else os.environ.get(HOME_ENV) or DEFAULT_STATE_DIR
-    return Path(os.path.abspath(Path(raw).expanduser()))
+    if explicit in (None, ""):
+        return Settings().home_dir
+    return Path(os.path.abspath(Path(explicit).expanduser()))
 
 
 def default_models_dir(state: str | os.PathLike | None = None) -> Path:
@@ -82,9 +83,9 @@ def default_models_dir(state: str | os.PathLike | None = None) -> Path:
 
 def default_registry_path() -> Path:
     """The registry file in use when none is given: ``$OPENRL_MODEL_REGISTRY`` or the packaged default."""
-    env = os.environ.get(REGISTRY_ENV)
+    env = Settings().registry_path
     if env:
-        return Path(env).expanduser()
+        return env
     return Path(str(resources.files("openrl") / "data" / "models.toml"))
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from openrl.config import Settings
+
 
 def configure_torch_threads(threads: int | None = None) -> int:
     """Set torch's intra-op threads: ``threads`` (``Settings.torch_threads``), else
@@ -15,6 +17,6 @@ def configure_torch_threads(threads: int | None = None) -> int:
     """
     import torch
 
-    n = int(threads or os.environ.get("OPENRL_TORCH_THREADS") or max(1, (os.cpu_count() or 2) // 2))
+    n = int(threads or Settings().torch_threads or max(1, (os.cpu_count() or 2) // 2))
     torch.set_num_threads(n)
     return n
