@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device call 1 of 3 (device tool `run`, carry [".gpu", ".whl/s1"], timeout_s 600), on a fresh H200 machine:
+# Start-up and peft-sampling call (run alone, or instead of stack_callA.sh when cold start is what you need;
+# the training side, same job with the engine and peft, is stack_callA.sh). Formerly device call 1 of 3 (device tool `run`, carry [".gpu", ".whl/s1"], timeout_s 600), on a fresh H200 machine:
 #   - installs the stack's wheels (.gpu/wheels) into $WORK/stk; unpacks vLLM part A (.whl/s1) into $WORK/site
 #     in the background (CPU only; the _C library comes in calls 2 and 3)
 #   - writes the Qwen3-4B-shaped random bf16 model $WORK/q4b with the Qwen tokenizer (.gpu/tok)

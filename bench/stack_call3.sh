@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call 3 of 3 (carry [".whl/s3"], timeout_s 600), right after call 2 on the same machine:
+# Device call 3 of 3 (carry [".whl/s3"], timeout_s 600), right after stack_callB.sh on the same machine:
 #   - completes vLLM: C.so.xz = $WORK/parts/C.so.xz.000 (call 2) + .whl/s3/C.so.xz.001, checked against
 #     .whl/s3/SUMS, unpacked to $WORK/site/vllm/_C_stable_libtorch.abi3.so
 #   - bench/stack_h200.py --sections sample,rl --breakdown with vLLM on PYTHONPATH (the stack's sampler then
@@ -10,7 +10,7 @@
 # Results: stack.jsonl, stack.md, logs3.tgz.
 cd "$(dirname "$0")/.." && source bench/stack_env.sh
 if [ "$DRY" != 1 ] && [ ! -x "$STK/bin/nats-server" ]; then
-  echo "NOT WARM: $STK is missing (a fresh machine, not the one call 1 prepared): run bench/stack_call1.sh first"; exit 3
+  echo "NOT WARM: $STK is missing (a fresh machine, not the one stack_callA.sh prepared): run bench/stack_callA.sh, stack_callB.sh first"; exit 3
 fi
 L=$WORK/logs3; rm -rf "$L"; mkdir -p "$L"
 el start; nvidia-smi --query-gpu=name,memory.used --format=csv 2>/dev/null

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from functions.trainer.engine import Datum, FwdBwdItem, TrainerEngine
 from openrl.model.lora import LoraSpec, MultiLoRAModel, load_peft_adapter

@@ -9,7 +9,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from functions.trainer.engine import Datum, FwdBwdItem, TrainerEngine
 from openrl.errors import NotFound, UserError
