@@ -15,6 +15,7 @@ from openrl.edge.proto.schema import (
     SampleResponse,
 )
 from openrl.edge.proto.types import FwdBwdDatum, SampledSeq
+from openrl.edge.proto.spans import encode_spans
 
 def _wire_array(arr: Any) -> tuple[np.ndarray, DType]:
     """numpy-ify; floating/bool → float32, integer → int64 (both little-endian)."""
@@ -36,7 +37,8 @@ def encode_forward_backward_output(
     Args:
         loss_fn_outputs: one dict per datum, in request order; every dict has the same
             keys. Each value is array-like with shape ``[T_i, *trailing]`` (a 0-d value
-            is sent as ``[1]``); ``trailing`` must be the same for all datums of a key.
+            is sent as ``[1]``); where ``trailing`` changes from one datum to the next (e.g.
+            ``[T, K]`` logprobs with another K), a new ``ArrayRecord`` starts.
             Floating (and bool) arrays go out as FLOAT32, integer arrays as INT64. The
             SDK expects at least ``logprobs`` (float32, shape of ``target_tokens``).
         metrics: ``"name:reduction"`` → float, e.g. ``{"loss:sum": 1.5}``; the SDK merges
@@ -45,12 +47,12 @@ def encode_forward_backward_output(
             last ``:``.
 
     Returns:
-        The serialized message (bytes): one ``ArrayRecord`` with ``num_datums`` set and
-        one ``BatchedTensor`` per key (all datums' data concatenated, ``num_datums + 1``
-        int64 byte offsets).
+        The serialized message (bytes): ``ArrayRecord`` s with ``num_datums`` set (one
+        unless trailing shapes are ragged) and one ``BatchedTensor`` per key (the record's
+        datums' data concatenated, ``num_datums + 1`` int64 byte offsets).
 
     Raises:
-        ValueError: datums with different keys, mismatched trailing shapes, a non-numeric
+        ValueError: datums with different keys, a non-numeric
             array, or a metric name without exactly one ``:`` (server bugs, not user errors).
     """
     for name in metrics:
@@ -59,36 +61,52 @@ def encode_forward_backward_output(
     out = ForwardBackwardOutput(loss_fn_output_type=loss_fn_output_type)
     for name, value in metrics.items():
         out.metrics[name] = float(value)
-    rec = out.loss_fn_outputs.add(type_tag=loss_fn_output_type, num_datums=len(loss_fn_outputs))
-    if loss_fn_outputs:
-        keys = list(loss_fn_outputs[0].keys())
-        for i, d in enumerate(loss_fn_outputs):
-            if set(d.keys()) != set(keys):
-                raise ValueError(f"loss_fn_outputs[{i}] keys {sorted(d)} differ from {sorted(keys)}")
+    if not loss_fn_outputs:
+        out.loss_fn_outputs.add(type_tag=loss_fn_output_type, num_datums=0)
+        return out.SerializeToString()
+    keys = list(loss_fn_outputs[0].keys())
+    for i, d in enumerate(loss_fn_outputs):
+        if set(d.keys()) != set(keys):
+            raise ValueError(f"loss_fn_outputs[{i}] keys {sorted(d)} differ from {sorted(keys)}")
+    arrays: list[dict[str, tuple[np.ndarray, DType]]] = []
+    for d in loss_fn_outputs:
+        row = {}
         for key in keys:
-            arrays = []
-            dtype = None
-            trailing: tuple[int, ...] | None = None
-            for i, d in enumerate(loss_fn_outputs):
-                a, dt = _wire_array(d[key])
-                if a.ndim == 0:
-                    a = a.reshape(1)
-                if dtype is None:
-                    dtype, trailing = dt, a.shape[1:]
-                elif dt != dtype:
-                    a = a.astype("<f4" if dtype == DType.FLOAT32 else "<i8")
-                if a.shape[1:] != trailing:
-                    raise ValueError(
-                        f"loss_fn_outputs[{i}][{key!r}] trailing shape {a.shape[1:]} != {trailing}"
-                    )
-                arrays.append(np.ascontiguousarray(a))
-            sizes = np.array([0] + [a.nbytes for a in arrays], dtype="<i8")
-            bt = rec.fields[key]
-            bt.data = b"".join(a.tobytes() for a in arrays)
-            bt.offsets = np.cumsum(sizes).astype("<i8").tobytes()
-            bt.dtype = int(dtype)
-            bt.trailing_shape.extend(int(s) for s in trailing)
+            a, dt = _wire_array(d[key])
+            row[key] = (a.reshape(1) if a.ndim == 0 else a, dt)
+        arrays.append(row)
+    # One ArrayRecord per run of datums whose trailing shapes agree on every key: ragged
+    # outputs (e.g. [T, K] logprobs with a different K per datum, or 1-D next to 2-D) go out
+    # as several internally rectangular records, which the SDK concatenates in order.
+    start = 0
+    for end in range(1, len(arrays) + 1):
+        if end < len(arrays) and all(
+            arrays[end][k][0].shape[1:] == arrays[start][k][0].shape[1:] for k in keys
+        ):
+            continue
+        _fill_record(out.loss_fn_outputs.add(type_tag=loss_fn_output_type, num_datums=end - start),
+                     keys, arrays[start:end])
+        start = end
     return out.SerializeToString()
+
+
+def _fill_record(rec: Any, keys: Sequence[str], rows: Sequence[Mapping[str, tuple[np.ndarray, DType]]]) -> None:
+    """One ``ArrayRecord``: per key, the rows' arrays (same trailing shape) concatenated, with
+    ``len(rows) + 1`` int64 byte offsets; a key's dtype is its first row's (others are cast)."""
+    for key in keys:
+        dtype = rows[0][key][1]
+        trailing = rows[0][key][0].shape[1:]
+        parts = []
+        for a, dt in (r[key] for r in rows):
+            if dt != dtype:
+                a = a.astype("<f4" if dtype == DType.FLOAT32 else "<i8")
+            parts.append(np.ascontiguousarray(a))
+        sizes = np.array([0] + [a.nbytes for a in parts], dtype="<i8")
+        bt = rec.fields[key]
+        bt.data = b"".join(a.tobytes() for a in parts)
+        bt.offsets = np.cumsum(sizes).astype("<i8").tobytes()
+        bt.dtype = int(dtype)
+        bt.trailing_shape.extend(int(s) for s in trailing)
 
 
 def _fill_topk(msg: Any, topk: tuple[Any, Any]) -> None:
@@ -211,4 +229,6 @@ def encode_forward_backward_request(
         for key, arr in d.loss_fn_inputs.items():
             a, dt = _wire_array(arr)
             _fill_dense_tensor(dm.loss_fn_inputs[key], a, dt)
+        encode_spans(dm.model_input_spans, d.model_input_spans)
+        encode_spans(dm.loss_fn_input_spans, d.loss_fn_input_spans)
     return msg.SerializeToString()
