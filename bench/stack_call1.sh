@@ -32,7 +32,7 @@ fi
 stack_bench 300 --sections cold --no-cold-sample > "$L/stack_cold.log" 2>&1; el "stack cold rc=$?"
 grep '^{' "$L/stack_cold.log" | grep -v '"what": "env"' | cut -c1-400
 grep -i -E -A3 "Traceback|Error" "$L/stack_cold.log" | head -20
-if [ "$DRY" != 1 ] && [ "$(left)" -gt 120 ]; then
+if [ "$DRY" != 1 ] && [ "${PEFT:-1}" = 1 ] && [ "$(left)" -gt 120 ]; then
   B=8 K=4 NEW_TOKENS=32 timeout $(( $(left) - 20 )) "$PY" bench/peft_baseline_h200.py > "$O/peft_b8.jsonl" 2> "$L/peft_b8.err"
   el "peft b8 rc=$?"; cut -c1-250 "$O/peft_b8.jsonl"; tail -2 "$L/peft_b8.err"
 fi

@@ -2,11 +2,12 @@
 # Device call 3 of 3 (carry [".whl/s3"], timeout_s 600), right after stack_callB.sh on the same machine:
 #   - completes vLLM: C.so.xz = $WORK/parts/C.so.xz.000 (call 2) + .whl/s3/C.so.xz.001, checked against
 #     .whl/s3/SUMS, unpacked to $WORK/site/vllm/_C_stable_libtorch.abi3.so
-#   - bench/stack_h200.py --sections sample,rl --breakdown with vLLM on PYTHONPATH (the stack's sampler then
+#   - bench/stack_h200.py --sections sample,rl,cold --cold-reuse-main --breakdown with vLLM on PYTHONPATH (the stack's sampler then
 #     serves through vLLM, sharing the GPU with the trainer): 128 concurrent SDK samples over 8 snapshots,
-#     RL steps of 1 and 8 runs; then, the stack stopped, the same SamplerEngine called directly (vLLM) with
-#     the same adapters and jobs, for the stack / direct ratio, and once more with max_batch_rows=64 (the
-#     width the stack's sampler had before: 128 concurrent samples then decode in two waves)
+#     first sample after `openrl serve` (vLLM cold: a new state dir), RL steps of 1 and 8 runs; then, the
+#     stack stopped, the same SamplerEngine called directly (vLLM) with the same adapters and jobs, for the
+#     stack / direct ratio; then `openrl serve` once more on the same state dir (warm vLLM compile cache) ->
+#     first forward_backward -> first sample
 # Results: stack.jsonl, stack.md, logs3.tgz.
 cd "$(dirname "$0")/.." && source bench/stack_env.sh
 if [ "$DRY" != 1 ] && [ ! -x "$STK/bin/nats-server" ]; then
@@ -21,7 +22,7 @@ el "unpack C rc=$?"; tail -2 "$L/unpack_c.log"
 stack_path vllm
 "$PY" -c "import vllm, vllm._C_stable_libtorch; print('vllm', vllm.__version__, '_C loaded')" 2>&1 | tail -2
 "$PY" -c "import functions.sampler.engine as e, importlib.util as u; print('find_spec vllm:', u.find_spec('vllm') is not None)"
-stack_bench $(( $(left) - 10 )) --sections sample,rl --breakdown --direct-rows 0,64 > "$L/stack_sample_rl.log" 2>&1; el "stack sample,rl rc=$?"
+stack_bench $(( $(left) - 10 )) --sections sample,rl,cold --cold-reuse-main --warmup 1 --breakdown --direct-rows 0 > "$L/stack_sample_rl.log" 2>&1; el "stack sample,rl rc=$?"
 grep '^{' "$L/stack_sample_rl.log" | grep -v '"what": "env"' | cut -c1-500
 grep -v -E "^\s+(File|\^)" "$L/stack_sample_rl.log" | grep -i -E -B2 -A8 "Traceback|Error" | head -40
 pack_logs logs3 "$L"; el "call3 done"

@@ -407,6 +407,11 @@ def s_sample(svc, s: Serve, a, ctx: dict) -> None:
         save_s=[round(x, 3) for x in saves], adapter_dirs=len(ctx["adapters"]))
     b, n = a.concurrency, a.new_tokens
     prompts = [rand_ids(rng, a.prompt_tokens) for _ in range(b)]
+    t0 = time.time()  # one request first: the cold-start row "openrl serve -> first sample"
+    scs[0].sample(types.ModelInput.from_ints(prompts[0]), 1,
+                  types.SamplingParams(max_tokens=8, stop=[])).result(timeout=tmo(900))
+    log(what="first_sample", wait_s=round(time.time() - t0, 2),
+        since_serve_s=round(time.time() - ctx.get("serve_t0", T_START), 2), vllm_cache="empty (new state dir)")
     t0 = time.time()
     dt, ntok, _, _ = _round(scs, prompts, 8, timeout=tmo(900, 60))
     log(what="sample_warmup", requests=b, max_tokens=8, s=round(dt, 2), first_round_incl_engine_start=True)
@@ -556,13 +561,19 @@ def s_rl(svc, s: Serve, a, ctx: dict) -> None:
 
 
 def s_cold(a) -> None:
-    state = Path(a.state_dir) / "cold"
-    if state.exists():
-        import shutil
+    """``openrl serve`` -> first forward_backward [-> first sample]: on a new state dir (cold caches), then
+    again on it (warm). ``--cold-reuse-main``: only the warm start, on the main sections' state dir (its vLLM
+    compile cache is warm from them)."""
+    if a.cold_reuse_main:
+        state, phases = Path(a.state_dir) / "main", ("warm",)
+    else:
+        state, phases = Path(a.state_dir) / "cold", ("cold", "warm")
+        if state.exists():
+            import shutil
 
-        shutil.rmtree(state)
+            shutil.rmtree(state)
     rng = random.Random(3)
-    for phase in ("cold", "warm"):
+    for phase in phases:
         if not enough(a.cold_need_s, f"cold {phase}"):
             return
         s = Serve(state, a.model, a.device, f"cold_{phase}")
@@ -835,6 +846,10 @@ def summary() -> str:
         for ra in ras:
             lines.append(f"\nstack / direct (rows={ra.get('rows')}): e2e {ra['stack_over_direct_e2e']}, "
                          f"decode {ra['stack_over_direct_decode']}")
+        fs = next((r for r in R if r.get("what") == "first_sample"), None)
+        if fs:
+            lines.append(f"\nfirst sample: {fs['since_serve_s']} s after `openrl serve` started ({fs['wait_s']} s "
+                         f"waited by the request itself; {fs.get('vllm_cache')})")
         bd = next((r for r in R if r.get("what") == "sample_breakdown" and "queued_s" in r), None)
         if bd:
             lines.append(f"\nper request (futures bucket): queued {bd['queued_s']}, handled {bd['handled_s']}")
@@ -897,6 +912,8 @@ def main() -> None:
     ap.add_argument("--rl-samples", type=int, default=None)
     ap.add_argument("--rl-new-tokens", type=int, default=None)
     ap.add_argument("--no-cold-sample", dest="cold_sample", action="store_false", help="cold: trainer only")
+    ap.add_argument("--cold-reuse-main", action="store_true",
+                    help="cold: one warm start on the main sections' state dir (after sample/rl)")
     ap.add_argument("--no-direct", dest="direct_cmp", action="store_false", help="sample: skip the direct engine")
     ap.add_argument("--breakdown", action="store_true", help="sample: per-request times from the futures bucket")
     ap.add_argument("--profile-sampler", action="store_true",
@@ -967,6 +984,7 @@ def main() -> None:
                 shutil.rmtree(state)
             s = Serve(state, a.model, a.device, "main")
             try:
+                ctx["serve_t0"] = time.time()
                 log(what="stack_start", healthy_s=round(s.start(), 2), url=s.url, state=str(state))
                 svc = service(s)
                 for name in shared:
