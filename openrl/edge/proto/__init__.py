@@ -5,6 +5,7 @@
   the wire enums :class:`DType` / :class:`StopReason`;
 - :mod:`.types`: the plain values the codecs take and give (:class:`FwdBwdDatum`,
   :class:`FwdBwdRequest`, :class:`SampledSeq`);
+- :mod:`.spans`: provenance spans (:func:`decode_spans`, the tiling check :func:`check_spans`);
 - :mod:`.compress`: identity / zstd request bodies (:func:`decompress`);
 - :mod:`.decode`: :func:`decode_forward_backward_request` (protobuf body, optionally zstd ->
   :class:`FwdBwdRequest` with dense numpy ``loss_fn_inputs``), :func:`peek_run_and_seq`;
@@ -62,9 +63,14 @@ from openrl.edge.proto.schema import (  # noqa: F401 - the message classes, impo
     Tensor,
     TopkLogprobs,
 )
-from openrl.edge.proto.types import FwdBwdDatum, FwdBwdRequest, SampledSeq
+from openrl.edge.proto.spans import check_spans, decode_spans, encode_spans
+from openrl.edge.proto.types import FwdBwdDatum, FwdBwdRequest, SampledSeq, Span
 
 __all__ = [
+    "Span",
+    "check_spans",
+    "decode_spans",
+    "encode_spans",
     "DType",
     "StopReason",
     "FwdBwdDatum",

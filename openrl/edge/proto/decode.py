@@ -11,6 +11,7 @@ from google.protobuf.message import DecodeError
 
 from openrl.edge.proto.compress import MAX_DECOMPRESSED_BYTES, decompress, decompress_head
 from openrl.edge.proto.schema import DType, ForwardBackwardRequest
+from openrl.edge.proto.spans import decode_spans
 from openrl.edge.proto.types import FwdBwdDatum, FwdBwdRequest
 from openrl.errors import UserError
 
@@ -216,7 +217,9 @@ def decode_forward_backward_request(
 
     Returns:
         A :class:`FwdBwdRequest`; see :class:`FwdBwdDatum` for array dtypes and shapes.
-        Provenance spans are not returned.
+        Provenance spans are decoded into ``FwdBwdDatum.model_input_spans`` /
+        ``loss_fn_input_spans`` (:func:`openrl.edge.proto.spans.decode_spans`); their tiling is
+        checked by :func:`openrl.edge.proto.spans.check_spans`, not here.
 
     Raises:
         UserError: with the offending field named — ``Content-Encoding``; ``body``
@@ -225,7 +228,9 @@ def decode_forward_backward_request(
             ``data[i].model_input.chunks[j]`` (empty, image or dmel chunk; token bytes
             not a multiple of 4; negative ids); ``data[i].loss_fn_inputs.<key>``
             (unknown dtype, float ``target_tokens``, byte counts, element count not
-            matching ``shape``, bad CSR indices, leading dimension not ``len(tokens)``).
+            matching ``shape``, bad CSR indices, leading dimension not ``len(tokens)``);
+            ``data[i].model_input_spans[j]`` / ``data[i].loss_fn_input_spans[j]`` (no span
+            arm, empty ``sequence_id``, negative ``offset`` / ``length``).
     """
     raw = decompress(bytes(body), content_encoding, limit=MAX_DECOMPRESSED_BYTES)
     if len(raw) > MAX_DECOMPRESSED_BYTES:
@@ -280,7 +285,10 @@ def decode_forward_backward_request(
                     f"shape {list(arr.shape)} does not match the {len(tokens)} input tokens",
                 )
             inputs[key] = arr
-        data.append(FwdBwdDatum(tokens=tokens, loss_fn_inputs=inputs))
+        data.append(FwdBwdDatum(tokens=tokens, loss_fn_inputs=inputs,
+                                model_input_spans=decode_spans(d.model_input_spans, f"data[{i}].model_input_spans"),
+                                loss_fn_input_spans=decode_spans(d.loss_fn_input_spans,
+                                                                 f"data[{i}].loss_fn_input_spans")))
 
     return FwdBwdRequest(
         model_id=msg.model_id,

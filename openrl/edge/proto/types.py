@@ -10,6 +10,25 @@ from typing import Any
 import numpy as np
 
 
+@dataclass(frozen=True)
+class Span:
+    """One provenance run of a datum (the SDK's ``PromptProvenanceSpan`` /
+    ``SampledProvenanceSpan``): positions ``[offset, offset + length)`` of the named sequence's
+    request prompt (``kind == "prompt"``) or of its sampled tokens (``kind == "sampled"``).
+    Runs tile the field they annotate in order (see :func:`openrl.edge.proto.check_spans`).
+
+    Attributes:
+        kind: ``"prompt"`` or ``"sampled"``.
+        sequence_id: a ``SampledSequence.sequence_id`` (non-empty).
+        offset: >= 0. length: >= 0 (a count of token positions).
+    """
+
+    kind: str
+    sequence_id: str
+    offset: int
+    length: int
+
+
 @dataclass
 class FwdBwdDatum:
     """One decoded training example.
@@ -27,6 +46,10 @@ class FwdBwdDatum:
 
     tokens: list[int]
     loss_fn_inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    #: provenance of ``tokens`` / of the ``target_tokens`` rows (``Datum.with_provenance``), or
+    #: None when the SDK sent none; each list tiles its field (checked at the edge).
+    model_input_spans: list[Span] | None = None
+    loss_fn_input_spans: list[Span] | None = None
 
 
 @dataclass
