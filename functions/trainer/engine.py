@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from functions.trainer import losses
+from functions.trainer.mismatch import MismatchStats, sampled_token_mask, sampler_logprobs_of
 from functions.trainer.optim import AdamConfig, RunOptimizer, step_many
 from openrl.config import Settings
 from openrl.edge.proto import FwdBwdDatum
@@ -78,8 +79,13 @@ class FwdBwdResult:
     """Result of one item.
 
     Attributes:
-        loss_fn_outputs: per datum ``{"logprobs": float32 array shaped like target_tokens}``.
-        metrics: ``{"loss:sum": float}``, the loss summed over the item's datums and tokens.
+        loss_fn_outputs: per datum ``{"logprobs": float32 array shaped like target_tokens}``
+            ([T], or [T, K] for 2-D targets).
+        metrics: ``{"loss:sum": float}``, the loss summed over the item's datums and tokens;
+            for an item whose datums carry sampler logprobs also the sampler–trainer mismatch
+            (:data:`functions.trainer.mismatch.METRIC_KEYS`) over all its datums.
+        mismatch: those mismatch sums (None when no datum carried sampler logprobs), for the
+            trainer's Prometheus histograms.
         error: a :class:`UserError` / :class:`NotFound` if the item was invalid (nothing ran
             for it), a :class:`ServerError` if the pass failed (no gradient was kept).
     """
@@ -87,6 +93,7 @@ class FwdBwdResult:
     loss_fn_outputs: list[dict[str, np.ndarray]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     error: Exception | None = None
+    mismatch: MismatchStats | None = None
 
 
 @dataclass
@@ -291,9 +298,10 @@ class TrainerEngine:
             for m in grad_runs
         }
         loss_sums = {i: 0.0 for i in valid}
+        mismatch = {i: MismatchStats() for i in valid}
         try:
             for mb in self._micro_batches(all_rows):
-                self._run_micro_batch(mb, items, configs, results, loss_sums)
+                self._run_micro_batch(mb, items, configs, results, loss_sums, mismatch)
         except Exception as e:  # restore gradients: a failed pass must not half-apply
             for m, grads in snapshot.items():
                 for p, g in zip(self.runs[m].optimizer.params, grads):
@@ -307,6 +315,9 @@ class TrainerEngine:
             return results
         for i in valid:
             results[i].metrics["loss:sum"] = float(loss_sums[i])
+            if not mismatch[i].empty:
+                results[i].metrics.update(mismatch[i].metrics())
+                results[i].mismatch = mismatch[i]
         return results
 
     def _after_oom(self, items, results, valid, rows, exc) -> list[FwdBwdResult]:
@@ -336,6 +347,7 @@ class TrainerEngine:
         configs: Mapping[int, dict[str, float]],
         results: list[FwdBwdResult],
         loss_sums: dict[int, float],
+        mismatch: dict[int, MismatchStats],
     ) -> None:
         # rows of one run next to each other: the LoRA layers then work on slices
         first_seen: dict[str, int] = {}
@@ -366,13 +378,17 @@ class TrainerEngine:
                 row_lp = lp[b, : r.n, 0] if r.inputs["target_tokens"].dim() == 1 else lp[b, : r.n, : r.k]
                 if not r.grad:
                     row_lp = row_lp.detach()
-                loss, outputs, _ = losses.compute_loss(item.loss_fn, row_lp, r.inputs, configs[r.item])
+                loss, outputs, loss_metrics = losses.compute_loss(item.loss_fn, row_lp, r.inputs, configs[r.item])
+                losses.merge_metrics(results[r.item].metrics, loss_metrics)
                 if not torch.isfinite(loss.detach()):
                     raise FloatingPointError(f"non-finite loss for {item.model_id} datum {r.datum}")
                 results[r.item].loss_fn_outputs[r.datum] = {
                     k: v.detach().to("cpu", torch.float32).numpy() for k, v in outputs.items()
                 }
                 loss_sums[r.item] += float(loss.detach())
+                sampled = _mismatch_inputs(r)
+                if sampled is not None:
+                    mismatch[r.item].add(row_lp, *sampled)
                 if r.grad:
                     total = loss if total is None else total + loss
             if total is not None and total.requires_grad:
@@ -566,6 +582,16 @@ class TrainerEngine:
         directory.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(directory / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
         (directory / ADAPTER_CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def _mismatch_inputs(r: _Row) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(sampler logprobs [T], bool mask [T])`` of a row whose datum carries the sampler's
+    logprobs of 1-D targets (:mod:`functions.trainer.mismatch`), else None. A loss whose sampled
+    tokens and logprobs come from elsewhere (e.g. recorded at sampling time) hooks in here."""
+    q = sampler_logprobs_of(r.inputs)
+    if q is None or r.inputs["target_tokens"].dim() != 1:
+        return None
+    return q, sampled_token_mask(r.inputs, q)
 
 
 __all__ = [

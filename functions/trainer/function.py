@@ -57,6 +57,8 @@ class TrainerFunction:
         self._stopping = False
         self._lock = asyncio.Lock()  # one engine computation at a time (one device)
         self.durable: RunDurability | None = None
+        self.stability = None  # StabilityStore of stable_reinforce (openrl/transport/stability.py)
+        self.nats_url: str | None = None
 
     async def start(self, cfg: Settings | dict | None = None) -> None:
         """Open storage and the registry, start the scheduler and the run-state flusher,
@@ -65,7 +67,9 @@ class TrainerFunction:
         Args:
             cfg: :class:`openrl.config.Settings` (or a dict of explicit values over the
                 environment, :meth:`Settings.of`; a dict may also carry ``registry_obj``, a
-                ready :class:`ModelRegistry`). Read: ``storage_url``, ``registry_path`` /
+                ready :class:`ModelRegistry`, and ``stability_store``, a ready
+                :class:`openrl.transport.stability.StabilityStore`). Read: ``nats_url`` (the
+                stability store of ``stable_reinforce``, connected on first use), ``storage_url``, ``registry_path`` /
                 ``models_path``, ``device`` (auto | cpu | cuda[:N], see :mod:`openrl.model.device`;
                 base weights load in the registry entry's dtype, bf16 on CUDA and float32 on CPU
                 by default), ``trainer_gpu_memory`` (the fraction of the GPU's memory this
@@ -82,8 +86,10 @@ class TrainerFunction:
         from openrl.model.runtime import configure_torch_threads
 
         registry = cfg.get("registry_obj") if isinstance(cfg, dict) else None
+        self.stability = cfg.get("stability_store") if isinstance(cfg, dict) else None
         cfg = Settings.of(cfg)
         configure_torch_threads(cfg.torch_threads)
+        self.nats_url = cfg.nats_url  # the stability store's (stable_reinforce), opened on first use
         self.storage = open_storage(cfg.storage_url)
         self.registry = registry or ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
         self.device = resolve_device(cfg.device)
@@ -120,6 +126,8 @@ class TrainerFunction:
             await self.scheduler.stop()
         await self.durable.wait_idle()  # creates / restores / unloads already under way
         await self.durable.flush_all(final=True)
+        if self.stability is not None:
+            await self.stability.close()
 
     def _limit_gpu_memory(self, fraction) -> None:
         """Cap this process's CUDA allocations at ``fraction`` of the device (a GPU shared with
@@ -316,6 +324,31 @@ class TrainerFunction:
 
     # ----- execution (called by the scheduler, in seq_id order) ---------------------
     async def _run_packed(self, items: list[Pending]) -> list:
+        """Ready forward(_backward) requests of one base model: stable_reinforce ones first get
+        their recorded sampler logprobs (a request whose provenance does not resolve fails alone
+        with category "user"), then all run as one pass (:meth:`_run_resolved`)."""
+        from functions.trainer import stability
+
+        failed = {}
+        for k, p in enumerate(items):
+            if p.payload.loss_fn == stability.LOSS:
+                try:
+                    await stability.resolve_request(self._stability(), p.payload, model_id=p.model_id,
+                                                    owner=self.runs.owner(p.model_id))
+                except UserError as e:
+                    failed[k] = e
+        rest = [p for k, p in enumerate(items) if k not in failed]
+        done = iter(await self._run_resolved(rest) if rest else [])
+        return [failed[k] if k in failed else next(done) for k in range(len(items))]
+
+    def _stability(self):
+        if self.stability is None:
+            from openrl.transport.stability import StabilityStore
+
+            self.stability = StabilityStore(self.nats_url)
+        return self.stability
+
+    async def _run_resolved(self, items: list[Pending]) -> list:
         from functions.trainer.engine import Datum, FwdBwdItem
 
         engine = self._engine(items[0].model_id)
@@ -332,10 +365,15 @@ class TrainerFunction:
             if testhooks.enabled():  # tests only: hold with the pass applied, cursor not moved
                 await asyncio.to_thread(testhooks.hold, "computed:forward_backward")
         out = []
-        for r in results:
+        for p, r in zip(items, results):
             if r.error is not None:
                 out.append(r.error)
             else:
+                if r.mismatch is not None:  # sampler-trainer mismatch histograms (functions/trainer/mismatch.py)
+                    from openrl.observe import metrics
+
+                    info = self.runs.get(p.model_id)
+                    metrics.record_sample_train(info.base_model if info else None, r.metrics)
                 out.append(proto.encode_forward_backward_output(r.loss_fn_outputs, r.metrics))
         return out
 
