@@ -587,7 +587,11 @@ class TrainerEngine:
 def _mismatch_inputs(r: _Row) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(sampler logprobs [T], bool mask [T])`` of a row whose datum carries the sampler's
     logprobs of 1-D targets (:mod:`functions.trainer.mismatch`), else None. A loss whose sampled
-    tokens and logprobs come from elsewhere (e.g. recorded at sampling time) hooks in here."""
+    tokens and logprobs come from elsewhere hooks in here: stable_reinforce's recorded logprobs
+    count on the tokens its provenance spans name as sampled."""
+    recorded = r.inputs.get(losses.RECORDED_LOGPROBS)
+    if recorded is not None:
+        return recorded, r.inputs[losses.SAMPLED_MASK] != 0
     q = sampler_logprobs_of(r.inputs)
     if q is None or r.inputs["target_tokens"].dim() != 1:
         return None
