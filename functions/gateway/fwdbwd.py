@@ -74,7 +74,10 @@ ForwardBackwardDep = Annotated[ForwardBackwardBody, Depends(forward_backward_bod
 
 def validate_datums(fb: proto.FwdBwdRequest, vocab: int, max_context: int | None = None) -> None:
     """Edge checks of a forward_backward body: non-empty, token ids in the vocabulary, at most
-    ``max_context`` tokens per datum, target lengths, finite float inputs (no NaN/inf).
+    ``max_context`` tokens per datum, target lengths, finite float inputs (no NaN/inf), provenance
+    spans that tile the input and the targets (:func:`openrl.edge.proto.check_spans`; accepted with
+    every loss), and spans on every datum of a ``stable_reinforce`` request (they name the
+    recorded samples it trains on).
 
     Raises:
         UserError: naming the datum and field.
@@ -98,3 +101,7 @@ def validate_datums(fb: proto.FwdBwdRequest, vocab: int, max_context: int | None
                     f"length {tt.shape[0]} != model_input length {len(d.tokens)}")
             require(bool(((tt >= 0) & (tt < vocab)).all()), f"data[{i}].loss_fn_inputs.target_tokens",
                     f"token id outside the vocabulary [0, {vocab})")
+        proto.check_spans(d, i)
+        require(fb.loss_fn != "stable_reinforce" or d.loss_fn_input_spans is not None, f"data[{i}].loss_fn_input_spans",
+                "stable_reinforce needs provenance on every datum (Datum.with_provenance naming the sequence_id "
+                "of samples drawn with record_stability_info=True)")

@@ -38,6 +38,8 @@ class SamplerFunction:
         self.engines: dict[str, object] = {}
         self._ready = False
         self._engine_lock = asyncio.Lock()
+        self.stability = None  # StabilityStore (openrl/transport/stability.py)
+        self.nats_url: str | None = None
 
     async def start(self, cfg: Settings | dict | None = None) -> None:
         """Open storage and the registry; load the ``preload`` base models.
@@ -45,8 +47,10 @@ class SamplerFunction:
         Args:
             cfg: :class:`openrl.config.Settings` (or a dict of explicit values over the
                 environment, :meth:`Settings.of`; a dict may also carry ``registry_obj``, a
-                ready :class:`ModelRegistry`). Read: ``storage_url`` (snapshots cached under
-                ``cache_dir``), ``registry_path`` / ``models_path``, ``device`` (auto | cpu |
+                ready :class:`ModelRegistry`, and ``stability_store``, a ready
+                :class:`openrl.transport.stability.StabilityStore`). Read: ``nats_url`` (the
+                stability store, connected when a request first sets
+                ``record_stability_info``), ``storage_url`` (snapshots cached under ``cache_dir``), ``registry_path`` / ``models_path``, ``device`` (auto | cpu |
                 cuda[:N], default auto = CUDA when available, see :mod:`openrl.model.device`),
                 ``sampler_backend`` (auto | hf | vllm; auto = vLLM on CUDA when installed),
                 ``preload`` (base-model names to load now). Base weights load in the registry
@@ -60,7 +64,9 @@ class SamplerFunction:
         from openrl.model.runtime import configure_torch_threads
 
         registry = cfg.get("registry_obj") if isinstance(cfg, dict) else None
+        self.stability = cfg.get("stability_store") if isinstance(cfg, dict) else None
         cfg = Settings.of(cfg)
+        self.nats_url = cfg.nats_url  # the stability store's (record_stability_info), opened on first use
         configure_torch_threads(cfg.torch_threads)
         self.storage = open_storage(cfg.storage_url, cache_dir=cfg.cache_dir)
         self.registry = registry or ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
@@ -74,6 +80,8 @@ class SamplerFunction:
         self._ready = False
         for e in self.engines.values():
             await e.close()
+        if self.stability is not None:
+            await self.stability.close()
 
     def describe(self) -> dict:
         """What ``openrl status`` shows of this worker: device, base-weight dtype(s), backend
@@ -111,7 +119,9 @@ class SamplerFunction:
         return self.engines[key]
 
     async def handle(self, event):
-        """Sample; the result is a protobuf ``SampleResponse``.
+        """Sample; the result is a protobuf ``SampleResponse``. With ``record_stability_info``
+        each returned sequence is recorded first (:func:`stability_records`), for
+        ``stable_reinforce`` training.
 
         Raises:
             UserError: bad sampling parameters or an unknown snapshot (category "user").
@@ -152,7 +162,32 @@ class SamplerFunction:
         # passes, so their seconds overlap)
         metrics.record_sampled(event.get_extension("owner"), sum(len(s.tokens) for s in res.sequences),
                                time.perf_counter() - t0)
+        if d.record_stability_info:  # before the result: a client never holds an id without its record
+            await self._stability().put_many(stability_records(event, d, res))
         return events.result_event(event, encode_result(res, tpl), source=SOURCE)
+
+    def _stability(self):
+        if self.stability is None:
+            from openrl.transport.stability import StabilityStore
+
+            self.stability = StabilityStore(self.nats_url)
+        return self.stability
+
+
+def stability_records(event, d: payloads.Sample, res) -> dict:
+    """``sequence_id -> SequenceRecord`` of each sequence of a sample result: its tokens and
+    sampler logprobs, the prompt length, the owner (the event's ``owner`` extension) and the client
+    session of the sampling session (:mod:`openrl.contract.stability`). The ids are those the
+    gateway returned in the future's ``sample_sequence_ids`` (event id = request id)."""
+    from openrl.contract.stability import SequenceRecord, sequence_ids, session_of
+
+    sid = d.sampling_session_id or event.get_subject()
+    now = time.time()
+    return {seq_id: SequenceRecord(owner=event.get_extension("owner"), session_id=session_of(sid) or sid,
+                                   sampler_id=sid, prompt_len=len(d.prompt_tokens),
+                                   tokens=np.asarray(s.tokens, dtype=np.int64),
+                                   logprobs=np.asarray(s.logprobs, dtype=np.float32), used_at=now)
+            for seq_id, s in zip(sequence_ids(event.get_id(), len(res.sequences)), res.sequences)}
 
 
 def target_rows(td: dict) -> list[list[int]]:

@@ -46,10 +46,32 @@ the sequence ratio is taken over the tokens with a non-zero advantage (the sampl
 in the usual RL datum, whose prompt positions carry advantage 0 and logprob 0); an empty
 mask gives ``s = 1``.
 
-``stable_reinforce`` is refused with a clear "not supported" :class:`UserError`: it trains on
-per-sequence stability records the hosted sampler keeps when sampling with
-``record_stability_info=True``; this server keeps none (and the objective is not published). ``dro``'s ``beta`` defaults to 0.05 (the value of Tinker's
-examples).
+``dro``'s ``beta`` defaults to 0.05 (the value of Tinker's examples).
+
+``stable_reinforce`` is **openrl's own objective** (definition ``openrl_tis_k3_v1``): Tinker
+publishes only its contract (sampling-time records made with ``record_stability_info=True``,
+datums naming their samples by provenance spans, non-zero advantages only on sampled tokens,
+``loss_fn_config`` key ``kl_coeff``), not its formula. The trainer resolves each datum's
+``SampledProvenanceSpan`` s to the *recorded* sampler logprobs ``mu`` of those tokens
+(:mod:`functions.trainer.stability`); with ``m`` the sampled-token mask, ``C = tis_cap``
+(default 2.0), ``beta = kl_coeff`` (default 0.0) and ``r = exp(lp - mu)``::
+
+    loss = -sum_t m_t * sg(min(r_t, C)) * A_t * lp_t            (REINFORCE, truncated IS)
+           + beta * sum_t m_t * ((r_t - 1) - log r_t)             (k3 KL estimator)
+
+The first term is REINFORCE with truncated importance sampling against the sampler's own
+logprobs (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+Training", fengyao.notion.site/off-policy-rl; Ionides 2008 for truncated IS), which keeps the
+gradient bounded when the sampler (vLLM, bf16, stale weights) and the trainer disagree. The
+second is Schulman's k3 estimator (J. Schulman 2020, "Approximating KL Divergence",
+joschu.net/blog/kl-approx.html) of KL(sampler || trainer) on the sampler's own samples: >= 0,
+zero on-policy, gradient ``(r_t - 1) * grad lp_t``. ``log r`` inside k3 is clamped to [-20, 20]
+(a numeric guard; a token that far off-policy would otherwise give an infinite loss). On-policy
+(``mu = sg(lp)``, ``beta = 0``, ``C >= 1``) its gradient is importance_sampling's. The client's
+``logprobs`` input is accepted and ignored (the recorded ones are used). Metrics:
+``stable_reinforce/openrl_tis_k3_v1:max`` = 1.0 names the definition that ran;
+``stable_reinforce/sampled_tokens:sum``, ``stable_reinforce/tis_clipped_tokens:sum`` (tokens
+with ``r > C``) and ``stable_reinforce/kl_k3:sum`` (the k3 sum, before ``kl_coeff``).
 
 Errors are :class:`openrl.errors.UserError` naming the field: ``loss_fn`` (unknown loss),
 ``loss_fn_config.<key>`` (unknown key / bad value), ``data[i].loss_fn_inputs.<key>``
@@ -144,6 +166,62 @@ def dro(lp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -
     return _out(lp, -objective.sum())
 
 
+#: loss_fn_inputs the trainer adds for stable_reinforce after resolving provenance
+#: (:mod:`functions.trainer.stability`); a client may not send them.
+RECORDED_LOGPROBS = "_recorded_logprobs"  # float32 [T]: the recorded sampler logprob, 0 off sampled tokens
+SAMPLED_MASK = "_sampled_mask"  # float32 [T]: 1 where loss_fn_input_spans name a sampled token
+RESERVED_INPUTS = (RECORDED_LOGPROBS, SAMPLED_MASK)
+#: the metric that names which stable_reinforce definition ran (value 1.0)
+STABLE_REINFORCE_DEFINITION = "stable_reinforce/openrl_tis_k3_v1:max"
+_K3_LOG_RATIO_CLAMP = 20.0
+
+
+def stable_reinforce(lp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> LossResult:
+    """openrl's ``stable_reinforce`` (definition ``openrl_tis_k3_v1``, see the module docstring):
+    ``-sum(m * sg(min(r, C)) * A * lp) + kl_coeff * sum(m * ((r - 1) - log r))`` with
+    ``r = exp(lp - mu)``, ``mu`` the recorded sampler logprobs; lp, mu, m, A all float32 [T].
+    Sources: truncated IS (Yao et al. 2025), k3 KL estimator (Schulman 2020)."""
+    mu, m, adv = inputs[RECORDED_LOGPROBS], inputs[SAMPLED_MASK], inputs["advantages"]
+    cap, beta = float(config["tis_cap"]), float(config["kl_coeff"])
+    log_ratio = (lp - mu) * m  # 0 off the sampled tokens
+    weight = torch.exp(log_ratio.detach()).clamp(max=cap)
+    pg = -(m * weight * adv * lp).sum()
+    lr = log_ratio.clamp(-_K3_LOG_RATIO_CLAMP, _K3_LOG_RATIO_CLAMP)
+    k3 = (m * (torch.exp(lr) - 1.0 - lr)).sum()
+    loss = pg + beta * k3 if beta else pg
+    sampled = m > 0
+    metrics = {
+        "loss:sum": float(loss.detach()),
+        STABLE_REINFORCE_DEFINITION: 1.0,
+        "stable_reinforce/sampled_tokens:sum": float(sampled.sum()),
+        "stable_reinforce/tis_clipped_tokens:sum": float((sampled & (log_ratio.detach() > math.log(cap))).sum()),
+        "stable_reinforce/kl_k3:sum": float(k3.detach()),
+    }
+    return loss, {"logprobs": lp.detach()}, metrics
+
+
+def _check_stable_reinforce(inputs: Mapping[str, Tensor], index: int) -> None:
+    """Tinker's contract: non-zero advantages only on sampled tokens."""
+    off = (inputs["advantages"] != 0) & (inputs[SAMPLED_MASK] == 0)
+    if bool(off.any()):
+        t = int(torch.nonzero(off)[0])
+        raise UserError(f"data[{index}].loss_fn_inputs.advantages",
+                        f"non-zero at position {t}, which loss_fn_input_spans do not attribute to a sampled token "
+                        "(stable_reinforce takes advantages on sampled tokens only)")
+
+
+def merge_metrics(into: dict[str, float], metrics: Mapping[str, float]) -> None:
+    """Fold one datum's loss metrics (other than ``loss:sum``) into its request's: ``:sum``
+    keys add up, ``:max`` keys keep the largest (the SDK reduces the same suffixes across chunks)."""
+    for key, value in metrics.items():
+        if key == "loss:sum":
+            continue
+        if key.endswith(":max"):
+            into[key] = max(into.get(key, value), value)
+        else:
+            into[key] = into.get(key, 0.0) + value
+
+
 # ------------------------------------------------------------------------- registry
 
 
@@ -156,6 +234,8 @@ class LossDef:
         optional: input keys that may be present.
         config_defaults: accepted ``loss_fn_config`` keys and their defaults.
         two_d_targets: whether ``target_tokens`` may be [T, K].
+        check: optional extra validation of one datum's prepared inputs ``(inputs, index)``,
+            raising :class:`UserError`.
     """
 
     name: str
@@ -164,6 +244,7 @@ class LossDef:
     optional: tuple[str, ...] = ()
     config_defaults: Mapping[str, float] = field(default_factory=dict)
     two_d_targets: bool = False
+    check: Callable[[Mapping[str, Tensor], int], None] | None = None
 
 
 _RL = ("logprobs", "advantages")
@@ -185,13 +266,15 @@ LOSSES: dict[str, LossDef] = {
         config_defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     ),
     "dro": LossDef("dro", dro, required=_RL, config_defaults={"beta": 0.05}),
+    "stable_reinforce": LossDef(
+        "stable_reinforce", stable_reinforce, required=("advantages", *RESERVED_INPUTS), optional=("logprobs",),
+        config_defaults={"kl_coeff": 0.0, "tis_cap": 2.0}, check=_check_stable_reinforce,
+    ),
 }
 
 #: loss names of the SDK's LossFnType that this server does not implement.
-UNSUPPORTED = ("stable_reinforce", "custom")
+UNSUPPORTED = ("custom",)
 _WHY_UNSUPPORTED = {
-    "stable_reinforce": "it trains on sampling-time stability records (record_stability_info) that this "
-                        "server does not keep; train with importance_sampling, ppo, cispo or gspo",
     "custom": "server-side custom losses are not implemented; forward_backward_custom with a Python "
               "callable (or a client-side LossHandle) works",
 }
@@ -241,6 +324,11 @@ def resolve_config(loss_fn: str, config: Mapping[str, float | str] | None) -> di
             raise UserError("loss_fn_config.clip_high_threshold", f"must be >= clip_low_threshold ({lo}), got {hi}")
     if out.get("beta", 0.0) < 0:
         raise UserError("loss_fn_config.beta", f"must be >= 0, got {out['beta']}")
+    if out.get("kl_coeff", 0.0) < 0:
+        raise UserError("loss_fn_config.kl_coeff", f"must be >= 0, got {out['kl_coeff']}")
+    if out.get("tis_cap", 1.0) < 1:
+        raise UserError("loss_fn_config.tis_cap", f"must be >= 1 (a cap below 1 would down-weight on-policy "
+                                                  f"tokens), got {out['tis_cap']}")
     return out
 
 
@@ -325,6 +413,8 @@ def prepare_inputs(
         if key in _CLIP_INPUTS and (arr < 0).any():
             raise UserError(fld, "clip thresholds are ratio bounds and must be >= 0")
         out[key] = torch.from_numpy(np.ascontiguousarray(arr)).to(device)
+    if d.check is not None:
+        d.check(out, index)
     return out
 
 
@@ -333,5 +423,6 @@ def compute_loss(
 ) -> LossResult:
     """Run loss ``loss_fn`` on one datum (inputs from :func:`prepare_inputs`, config from
     :func:`resolve_config`). Returns ``(loss scalar, {"logprobs": [T] or [T, K]},
-    {"loss:sum": float})``."""
+    {"loss:sum": float, ...})`` (stable_reinforce adds the metrics the module docstring lists;
+    :func:`merge_metrics` folds them per request)."""
     return get_loss(loss_fn).fn(target_logprobs, inputs, config)

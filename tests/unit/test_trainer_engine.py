@@ -320,7 +320,7 @@ def test_bad_items_fail_alone(engine):
     rl_missing = FwdBwdItem("ok", [Datum(d.tokens, {"target_tokens": d.loss_fn_inputs["target_tokens"]})],
                             "ppo", None, False)
     unknown_run = _sft("nobody", [d])
-    unknown_loss = FwdBwdItem("ok", [d], "stable_reinforce", None, False)
+    unknown_loss = FwdBwdItem("ok", [d], "custom", None, False)
     bad_key = FwdBwdItem("ok", [d], "cross_entropy", {"clip_low_threshold": 0.8}, False)
     short = Datum(d.tokens[:5], {"target_tokens": d.loss_fn_inputs["target_tokens"]})
     mismatch = _sft("ok", [d, short])
