@@ -101,6 +101,11 @@ class Settings(BaseSettings):
     sampler_max_num_seqs: int | None = Field(
         None, ge=1, validation_alias=_env("OPENRL_SAMPLER_MAX_NUM_SEQS", "OPENRL_VLLM_MAX_NUM_SEQS"),
         description="vLLM max_num_seqs (older name OPENRL_VLLM_MAX_NUM_SEQS)")
+    sampler_max_tokens_cap: int = Field(
+        4096, ge=1,
+        description="most tokens one sampled sequence generates: the largest max_tokens a request may ask "
+                    "(400 beyond) and what an omitted max_tokens gets, min(cap, context - prompt); "
+                    "reported by get_server_capabilities")
     vllm_max_loras: int | None = Field(None, ge=1, description="vLLM max_loras")
     vllm_max_lora_rank: int | None = Field(None, ge=1, description="vLLM max_lora_rank")
     vllm_unembed_lora: str | None = Field(None, description="vLLM LoRA on the unembedding (see vllm_backend)")

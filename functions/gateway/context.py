@@ -47,7 +47,10 @@ class GatewaySettings:
         (seconds; must stay under the SDK's 45 s read timeout) [OPENRL_LONG_POLL_S].
     trainer_shards: number of trainer shards; a training run's requests all go to
         shard ``crc32(model_id) % trainer_shards`` [OPENRL_TRAINER_SHARDS].
-    max_num_samples / max_tokens_limit: per-request sampling limits.
+    max_num_samples: most sequences per sample request.
+    max_tokens_limit: most tokens one sampled sequence generates: the largest ``max_tokens``
+        a request may ask, and what an omitted one gets (capped at the context minus the
+        prompt) [OPENRL_SAMPLER_MAX_TOKENS_CAP].
     max_body_bytes: largest accepted request body (bytes; larger ones get 413) [OPENRL_MAX_BODY_BYTES].
     max_pending_samples / max_pending_train: backpressure. When the OPENRL_SAMPLE (resp.
         OPENRL_TRAIN) stream holds this many requests not yet answered (queued or running),
@@ -60,7 +63,7 @@ class GatewaySettings:
     long_poll_s: float = _setting("long_poll_s")
     trainer_shards: int = _setting("trainer_shards")
     max_num_samples: int = 128
-    max_tokens_limit: int = 4096
+    max_tokens_limit: int = _setting("sampler_max_tokens_cap")
     max_body_bytes: int = _setting("max_body_bytes")
     max_pending_samples: int = _setting("max_pending_samples")
     max_pending_train: int = _setting("max_pending_train")
@@ -72,7 +75,8 @@ class GatewaySettings:
     @classmethod
     def of(cls, cfg: Settings) -> "GatewaySettings":
         """The gateway's tunables from one :class:`openrl.config.Settings`."""
-        return cls(**{name: getattr(cfg, name) for name in _FROM_SETTINGS})
+        return cls(**{name: getattr(cfg, name) for name in _FROM_SETTINGS},
+                   max_tokens_limit=cfg.sampler_max_tokens_cap)
 
 
 @dataclass

@@ -6,7 +6,7 @@ path); the sampler is stateless, so every sample event carries both.
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 
 from functions.gateway.context import require
 from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, WireRoute
@@ -18,6 +18,12 @@ from openrl.transport.bus import SAMPLE_STREAM, now_iso
 from openrl.storage import TinkerPath
 
 router = APIRouter(prefix=API_PREFIX, route_class=WireRoute)
+
+#: Response headers of ``/asample`` (the SDK's ``SampleResponse`` has no field for them): the
+#: ``max_tokens`` each sequence of the request may generate (the given one, or for an omitted
+#: one ``min(cap, context - prompt)``), and the server's cap ``OPENRL_SAMPLER_MAX_TOKENS_CAP``.
+MAX_TOKENS_HEADER = "X-OpenRL-Max-Tokens"
+MAX_TOKENS_CAP_HEADER = "X-OpenRL-Max-Tokens-Cap"
 
 
 @router.post("/create_sampling_session", response_model=wire.CreateSamplingSessionResponse)
@@ -54,9 +60,15 @@ async def get_sampler(sampler_id: str, g: GatewayDep, caller: CallerDep) -> dict
 
 
 @router.post("/asample", response_model=wire.UntypedAPIFuture)
-async def asample(req: wire.SampleRequest, g: GatewayDep, caller: CallerDep) -> dict:
+async def asample(req: wire.SampleRequest, g: GatewayDep, caller: CallerDep, response: Response) -> dict:
     """Validate a sample request of the caller's sampling session and publish it; the future
-    handle names one sequence id per requested sample."""
+    handle names one sequence id per requested sample.
+
+    An omitted ``sampling_params.max_tokens`` becomes ``min(max_tokens_limit, context -
+    len(prompt))`` here (the context of the session's base model, capped by a ``:peft:<n>``
+    suffix): sequences run until a stop or that length, never a hidden short default. The
+    value used and the cap are sent back in :data:`MAX_TOKENS_HEADER` /
+    :data:`MAX_TOKENS_CAP_HEADER`."""
     s = g.settings
     sid = req.sampling_session_id
     require(sid is not None, "sampling_session_id", "required")
@@ -72,12 +84,19 @@ async def asample(req: wire.SampleRequest, g: GatewayDep, caller: CallerDep) -> 
     bad = [t for t in tokens if t < 0 or t >= vocab]
     require(not bad, "prompt.chunks", f"token id {bad[:1]} outside the vocabulary [0, {vocab})")
     ctx = g.registry.resolve(rec["base_model"]).max_context_length
-    require(len(tokens) + (mt or 0) <= ctx, "prompt" if len(tokens) >= ctx else "sampling_params.max_tokens",
-            f"prompt ({len(tokens)} tokens) + max_tokens ({mt or 0}) exceed the model's context of {ctx}")
+    require(len(tokens) < ctx, "prompt",
+            f"prompt ({len(tokens)} tokens) leaves no room to generate in the model's context of {ctx}")
+    require(len(tokens) + (mt or 0) <= ctx, "sampling_params.max_tokens",
+            f"prompt ({len(tokens)} tokens) + max_tokens ({mt}) exceed the model's context of {ctx}")
+    if mt is None:
+        mt = min(s.max_tokens_limit, ctx - len(tokens))
     rid = f"{sid}:{req.seq_id}"
     await g.admit(SAMPLE_STREAM, rid)
     data = req.model_dump(mode="json", exclude_none=True)
     data.update(prompt_tokens=tokens, base_model=rec["base_model"], model_path=rec.get("model_path"))
+    data.setdefault("sampling_params", {})["max_tokens"] = mt
     data = payloads.Sample.model_validate(data).to_data()  # the wire request's fields the sampler reads
     await g.submit("sample", rid, sid, data, future_meta={"owner": rec["owner"]})
+    response.headers[MAX_TOKENS_HEADER] = str(mt)
+    response.headers[MAX_TOKENS_CAP_HEADER] = str(s.max_tokens_limit)
     return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(req.num_samples)]}

@@ -126,5 +126,6 @@ async def admin_stats(g: GatewayDep, caller: CallerDep):
 
 @router.get("/get_server_capabilities", response_model=wire.GetServerCapabilitiesResponse)
 async def get_server_capabilities(g: GatewayDep) -> dict:
-    """The registered base models (context length, trainable, sampleable)."""
-    return {"supported_models": g.registry.capabilities()}
+    """The registered base models (context length, trainable, sampleable) and the sampling cap
+    ``max_tokens_cap`` (an extra field; the SDK's typed response drops it, raw JSON shows it)."""
+    return {"supported_models": g.registry.capabilities(), "max_tokens_cap": g.settings.max_tokens_limit}

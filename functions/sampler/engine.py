@@ -3,7 +3,7 @@
 Layers::
 
     functions/sampler.Function.handle(event)        (decodes /asample, fetches weights)
-        └─ SamplerEngine.sample(job)                 validation, max_tokens default, adapter pinning
+        └─ SamplerEngine.sample(job)                 validation, omitted max_tokens, adapter pinning
                └─ SamplerBackend.sample(job)          batching + decoding (backends/: transformers
                                                       on CPU or GPU, vLLM on GPU)
 
@@ -33,7 +33,6 @@ import torch
 
 from functions.sampler.backends import make_backend
 from functions.sampler.types import (
-    DEFAULT_MAX_TOKENS,
     TOPK_MASK_LOGPROB,
     ModelLimits,
     SampledSequence,
@@ -62,7 +61,10 @@ class SamplerEngine:
         adapter_cache_size: adapters kept loaded; the least recently used one not in use is
             unloaded beyond this (an adapter pinned by a running job is never unloaded, so
             the cache can briefly exceed the size).
-        max_tokens_default: ``max_tokens`` when a job gives None (capped at the context).
+        max_tokens_default: cap on ``max_tokens`` when a job gives None; None (default) = no
+            cap: such a job generates until a stop or the end of the context (``max_context -
+            len(prompt)`` tokens). The gateway already replaces an omitted ``max_tokens`` by
+            ``min(OPENRL_SAMPLER_MAX_TOKENS_CAP, context - prompt)``; this is for direct use.
         max_context: cap on prompt + generated tokens; default: the model's
             ``max_position_embeddings``.
         max_num_samples: most sequences per job.
@@ -78,7 +80,7 @@ class SamplerEngine:
         dtype: torch.dtype = torch.float32,
         max_batch_rows: int | None = None,
         adapter_cache_size: int = 8,
-        max_tokens_default: int = DEFAULT_MAX_TOKENS,
+        max_tokens_default: int | None = None,
         max_context: int | None = None,
         max_num_samples: int = 128,
         max_topk: int = 20,
@@ -96,7 +98,7 @@ class SamplerEngine:
         self.backend: SamplerBackend = backend
         self.limits: ModelLimits = backend.limits
         self.adapter_cache_size = max(1, int(adapter_cache_size))
-        self.max_tokens_default = int(max_tokens_default)
+        self.max_tokens_default = None if max_tokens_default is None else int(max_tokens_default)
         self.max_num_samples = int(max_num_samples)
         self.max_topk = int(max_topk)
         self._adapters: OrderedDict[str, Path] = OrderedDict()  # key -> dir, LRU first
@@ -157,7 +159,8 @@ class SamplerEngine:
     # -- validation
 
     def validate(self, job: SampleJob) -> SampleJob:
-        """Check ``job`` against the model and the limits; return it with ``max_tokens`` set.
+        """Check ``job`` against the model and the limits; return it with ``max_tokens`` set
+        (None becomes the room left in the context, capped at ``max_tokens_default``).
 
         Raises:
             UserError: naming the field at fault (``prompt.chunks``, ``num_samples``,
@@ -189,7 +192,7 @@ class SamplerEngine:
             )
         room = lim.max_context - P
         if job.max_tokens is None:
-            max_tokens = min(self.max_tokens_default, room)
+            max_tokens = room if self.max_tokens_default is None else min(self.max_tokens_default, room)
         else:
             if not _is_int(job.max_tokens) or job.max_tokens < 1:
                 raise UserError("sampling_params.max_tokens", f"must be an integer >= 1, got {job.max_tokens!r}")
@@ -313,7 +316,6 @@ def _is_real(x: object) -> bool:
 
 
 __all__ = [
-    "DEFAULT_MAX_TOKENS",
     "TOPK_MASK_LOGPROB",
     "ModelLimits",
     "SampleJob",

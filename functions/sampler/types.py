@@ -14,9 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-#: ``max_tokens`` when a request leaves it out (the SDK sends nothing unless set). vLLM's
-#: ``SamplingParams`` uses the same default. Always capped at the room left in the context.
-DEFAULT_MAX_TOKENS = 16
 #: Logprob written into empty top-k cells (Tinker's ``TopkLogprobs`` sentinel, with id 0).
 TOPK_MASK_LOGPROB = -99999.0
 
@@ -31,8 +28,10 @@ class SampleJob:
     Attributes:
         prompt: prompt token ids (the ``encoded_text`` chunks concatenated), length P >= 1.
         num_samples: independent sequences to draw from the prompt (>= 1).
-        max_tokens: most tokens to generate per sequence; None = the engine's default
-            (``max_tokens_default``, capped at the room left in the context).
+        max_tokens: most tokens to generate per sequence; None = until a stop or the room
+            left in the context, capped by the engine's ``max_tokens_default`` when set (no
+            hidden short default: the gateway sends ``min(OPENRL_SAMPLER_MAX_TOKENS_CAP,
+            context - P)`` for a request that omits it).
         temperature: >= 0; 0 = greedy (argmax). Only changes which token is drawn.
         top_p: nucleus mass in (0, 1]; 1 = no nucleus filtering.
         top_k: keep the k most likely tokens; -1 (or 0) = no limit.
@@ -178,7 +177,6 @@ class SamplerBackend(Protocol):
 
 
 __all__ = [
-    "DEFAULT_MAX_TOKENS",
     "TOPK_MASK_LOGPROB",
     "ModelLimits",
     "SampleJob",

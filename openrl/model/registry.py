@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -242,15 +242,29 @@ class ModelRegistry:
         return cls(entries, models_dir=models_dir, source=source)
 
     def resolve(self, name: str) -> ModelEntry:
-        """The entry for a Tinker base-model name.
+        """The entry for a Tinker base-model name, or for ``<registered name>:peft:<context>``
+        (the form tinker-cookbook's recipes and eval types use, e.g.
+        ``Qwen/Qwen3.6-35B-A3B:peft:262144``): the registered entry with ``name`` kept as given
+        and ``max_context_length`` capped at ``<context>`` (see :func:`split_peft_suffix`). The
+        gateway checks datums and prompts against that length, so a run or sampling session
+        made with such a name answers longer requests with a 400 naming the field.
 
         Raises:
-            UserError: field ``base_model``, for a name not in the registry (the message lists the known names).
+            UserError: field ``base_model``, for a name not in the registry (the message lists the
+                known names), or a ``:peft:`` suffix that is not a positive integer or exceeds the
+                registered entry's ``max_context_length``.
         """
         entry = self._entries.get(name) if isinstance(name, str) else None
+        if entry is not None:
+            return entry
+        base, context = split_peft_suffix(name) if isinstance(name, str) else (name, None)
+        entry = self._entries.get(base) if context is not None else None
         if entry is None:
             raise UserError("base_model", f"unknown base model {name!r}; known: {', '.join(self.names())}")
-        return entry
+        if context > entry.max_context_length:
+            raise UserError("base_model", f"{name!r} asks a context of {context} tokens; {base!r} supports at "
+                                          f"most {entry.max_context_length}")
+        return replace(entry, name=name, max_context_length=context)
 
     def get(self, name: str) -> ModelEntry | None:
         """The entry for ``name``, or None."""
@@ -281,6 +295,34 @@ class ModelRegistry:
     def __repr__(self) -> str:
         return (f"ModelRegistry({self.names()!r}, models_dir={str(self.models_dir)!r}, source={str(self.source)!r}, "
                 f"overlay={str(self.overlay) if self.overlay else None!r})")
+
+
+#: The ``:peft:<context>`` suffix of a base-model name (cookbook 0.6.1): decimal digits only.
+PEFT_SUFFIX = ":peft:"
+_CONTEXT = re.compile(r"[0-9]+")
+
+
+def split_peft_suffix(name: str) -> tuple[str, int | None]:
+    """Split ``"<base>:peft:<context>"`` into ``(base, context)``; ``(name, None)`` for a name
+    without the suffix.
+
+    Args:
+        name: a base-model name as a client sent it.
+
+    Returns:
+        The name before the last ``:peft:`` and the context length in tokens (an int >= 1).
+
+    Raises:
+        UserError: field ``base_model``, when the suffix is present but ``<context>`` is not a
+            positive decimal integer (empty, signed, fractional, 0) or the base part is empty.
+    """
+    base, sep, raw = name.rpartition(PEFT_SUFFIX)
+    if not sep:
+        return name, None
+    if not base or len(raw) > 12 or not _CONTEXT.fullmatch(raw) or int(raw) < 1:
+        raise UserError("base_model", f"{name!r}: expected <base model>{PEFT_SUFFIX}<context length>, the "
+                                      f"context a positive integer number of tokens, got {raw!r}")
+    return base, int(raw)
 
 
 def _check_dtype(val: Any, where: str) -> str:

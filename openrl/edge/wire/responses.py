@@ -322,9 +322,12 @@ class SupportedModel(ResponseModel):
 
 
 class GetServerCapabilitiesResponse(ResponseModel):
-    """``/get_server_capabilities``."""
+    """``/get_server_capabilities``. ``max_tokens_cap`` (openrl's, not in the SDK's type, which
+    ignores it): most tokens one sampled sequence generates, the limit on ``max_tokens`` and
+    what an omitted one gets (``min(cap, context - prompt)``; ``OPENRL_SAMPLER_MAX_TOKENS_CAP``)."""
 
     supported_models: list[SupportedModel] = []
+    max_tokens_cap: int | None = None
 
 
 class ExternalWeightsUrlsResponse(ResponseModel):

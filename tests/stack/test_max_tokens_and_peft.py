@@ -1,0 +1,103 @@
+"""Through the real SDK and the embedded stack (the session's ``stack``: JetStream pull,
+``file://`` storage): an omitted ``max_tokens`` generates until a stop or the context, never a
+hidden 16 (issue 17 item 1), and ``<base>:peft:<context>`` model names (issue 13 item 5).
+
+The offline model's context is 4,096 tokens (``openrl/data/models.toml``); the server cap
+``OPENRL_SAMPLER_MAX_TOKENS_CAP`` is left at its default, 4,096. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+BASE_MODEL = "Qwen/Qwen3-4B-Instruct-2507"
+CONTEXT = 4096
+CAP = 4096
+
+
+def _prompt(n: int) -> types.ModelInput:
+    return types.ModelInput.from_ints([1000 + (7 * i) % 5000 for i in range(n)])
+
+
+def _datum(n: int) -> types.Datum:
+    toks = [1000 + (3 * i) % 5000 for i in range(n + 1)]
+    return types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
+                       loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * n})
+
+
+@pytest.fixture(scope="module")
+def svc(stack, api_key):
+    return tinker.ServiceClient(base_url=stack.base_url, api_key=api_key)
+
+
+def test_capabilities_report_the_cap(svc, stack, api_key):
+    caps = tinker.RestClient(base_url=stack.base_url, api_key=api_key).get_server_capabilities().result()
+    assert any(m.model_name == BASE_MODEL for m in caps.supported_models)
+    raw = httpx.get(stack.base_url + "/api/v1/get_server_capabilities", headers={"X-API-Key": api_key}).json()
+    assert raw["max_tokens_cap"] == CAP
+
+
+def test_omitted_max_tokens_generates_to_the_context(svc, stack, api_key):
+    """A prompt 40 tokens short of the context, no stop at all (stop=[]), max_tokens omitted:
+    40 tokens, not 16. With a stop token met after more than 16 tokens it stops there."""
+    sampler = svc.create_sampling_client(base_model=BASE_MODEL).result()
+    prompt = _prompt(CONTEXT - 40)
+    seq = sampler.sample(prompt, 1, types.SamplingParams(temperature=0.0, stop=[])).result().sequences[0]
+    assert len(seq.tokens) == 40 and seq.stop_reason == "length"
+    assert len(seq.logprobs) == 40
+
+    # until a stop: greedy with stop=[t], t first met at position k > 16 of the greedy run
+    short = _prompt(12)
+    ref = list(sampler.sample(short, 1, types.SamplingParams(max_tokens=64, temperature=0.0, stop=[]))
+               .result().sequences[0].tokens)
+    firsts = {t: i for i, t in reversed(list(enumerate(ref)))}
+    k = next((i for i in range(17, len(ref)) if firsts[ref[i]] == i), None)
+    if k is not None:  # the random model's greedy run repeats itself sometimes; the first part shows enough
+        seq = sampler.sample(short, 1, types.SamplingParams(temperature=0.0, stop=[ref[k]])).result().sequences[0]
+        assert list(seq.tokens) == ref[:k + 1] and seq.stop_reason == "stop"
+
+    # the response says what was used: header X-OpenRL-Max-Tokens (the SDK's SampleResponse has no field)
+    body = {"sampling_session_id": sampler._sampling_session_id, "seq_id": 10**6, "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": short.to_ints()}]},
+            "sampling_params": {"temperature": 0.0, "stop": []}}
+    r = httpx.post(stack.base_url + "/api/v1/asample", json=body, headers={"X-API-Key": api_key}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["X-OpenRL-Max-Tokens"] == str(min(CAP, CONTEXT - 12))
+    assert r.headers["X-OpenRL-Max-Tokens-Cap"] == str(CAP)
+
+
+def test_peft_suffix_caps_the_run_context(svc):
+    """``<registered name>:peft:64``: the run trains on the registered model, datums and
+    prompts are held to 64 tokens (400 naming the field), an omitted max_tokens fills the 64."""
+    name = f"{BASE_MODEL}:peft:64"
+    tc = svc.create_lora_training_client(base_model=name, rank=4, seed=0).result()
+    assert tc.get_info().model_data.model_name == name
+    out = tc.forward_backward([_datum(64)], "cross_entropy").result()
+    assert out.metrics["loss:sum"] > 0
+    with pytest.raises(tinker.BadRequestError) as ei:
+        tc.forward_backward([_datum(65)], "cross_entropy").result()
+    assert "data[0].model_input" in str(ei.value) and "64" in str(ei.value)
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    seq = sampler.sample(_prompt(10), 1, types.SamplingParams(temperature=0.0, stop=[])).result().sequences[0]
+    assert len(seq.tokens) == 54 and seq.stop_reason == "length"
+    with pytest.raises(tinker.BadRequestError) as ei:
+        sampler.sample(_prompt(10), 1, types.SamplingParams(max_tokens=55)).result()
+    assert "sampling_params.max_tokens" in str(ei.value)
+    with pytest.raises(tinker.BadRequestError) as ei:
+        sampler.sample(_prompt(64), 1, types.SamplingParams(max_tokens=1)).result()
+    assert "prompt" in str(ei.value)
+    base = svc.create_sampling_client(base_model=name).result()
+    assert base.get_base_model() == name
+
+
+@pytest.mark.parametrize("suffix, words", [(":peft:abc", "positive integer"), (":peft:0", "positive integer"),
+                                           (f":peft:{CONTEXT + 1}", f"at most {CONTEXT}")])
+def test_bad_peft_suffix_is_a_400_naming_base_model(svc, suffix, words):
+    with pytest.raises(tinker.BadRequestError) as ei:
+        svc.create_lora_training_client(base_model=BASE_MODEL + suffix, rank=4).result()
+    assert "base_model" in str(ei.value) and words in str(ei.value), str(ei.value)
