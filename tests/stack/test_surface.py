@@ -351,13 +351,14 @@ def test_gspo_matches_sequence_level_formula(svc, with_mask):
     np.testing.assert_allclose(lp_of(fb), lp, atol=1e-5)
 
 
-def test_stable_reinforce_is_refused_clearly(svc):
+def test_stable_reinforce_without_provenance_is_refused_clearly(svc):
+    """(stable_reinforce itself: tests/stack/test_stable_reinforce.py)"""
     tc = new_client(svc, seed=9)
     n = len(SEQ) - 1
     d = datum(SEQ, logprobs=[0.0] * n, advantages=[1.0] * n)
-    with pytest.raises(tinker.RequestFailedError, match="stable_reinforce.*not supported") as e:
+    with pytest.raises(tinker.BadRequestError, match="stable_reinforce needs provenance") as e:
         tc.forward_backward([d], "stable_reinforce", loss_fn_config={"kl_coeff": 0.1}).result()
-    assert "user" in str(e.value.category).lower()
+    assert "data[0].loss_fn_input_spans" in str(e.value)
     # the run keeps working
     assert math.isfinite(tc.forward([datum(SEQ)], "cross_entropy").result().metrics["loss:sum"])
 
@@ -527,8 +528,8 @@ def test_copy_weights_into_a_project_and_train_from_the_copy(svc, zstack, rest, 
 
 def test_service_client_misc_and_admin_routes(svc, zstack, rest, saved, monkeypatch):
     """The AdminClient routes fail at once with "not supported"; close() finishes the session;
-    create_sampling_client(path) and record_stability_info sampling (accepted; nothing is
-    recorded) work."""
+    create_sampling_client(path) and record_stability_info sampling (recorded for
+    stable_reinforce, tests/stack/test_stable_reinforce.py) work."""
     with pytest.raises(tinker.BadRequestError, match="not supported"):
         rest.get_audit_log().result(timeout=30)
     with pytest.raises(tinker.BadRequestError, match="not supported"):
