@@ -16,6 +16,12 @@ The secret is ``$OPENRL_DOWNLOAD_SECRET``, or else a random 32-byte secret creat
 metadata KV bucket (key ``config.download_secret``), so every gateway replica signs and checks
 with the same one and none keeps private state. The route lives outside ``/api/v1`` because
 the URLs carry no API key; a bad, expired or tampered signature answers 403.
+
+Encrypted exports: ``save_weights_external(..., age_encryption_recipients=[...])`` stores
+only age ciphertext, each file as ``<file>.age`` (:func:`request_age_encryption`, then the
+store's ``put_dir``; see :mod:`openrl.storage.sealing`). The URLs above then name and serve the
+``.age`` files unchanged; the server never holds an identity that decrypts them. A deleted or
+expired export answers 404 both here and at ``external_weights_urls``.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from functions.gateway.deps import get_gateway
 from openrl.config import Settings
 from openrl.errors import NotFound, UserError
 from openrl.storage import TinkerPath, check_name
+from openrl.storage.sealing import parse_recipients
 
 router = APIRouter()
 
@@ -116,6 +123,21 @@ async def external_weights_urls(request: Request, path: TinkerPath, manifest: di
                    f"{quote(f)}?expires={expires_unix}&sig={signature(key, path, f, expires_unix)}"
                 for f in files}
     return {"urls": urls, "expires": expires.isoformat().replace("+00:00", "Z")}
+
+
+async def request_age_encryption(g, path: TinkerPath, seq_id: int | None, recipients: list[str] | None) -> None:
+    """Validate ``age_encryption_recipients`` of a ``save_weights_external`` and, when given,
+    record them for (``path``, ``seq_id``) in storage before the save is published, so the
+    trainer's write stores only ciphertext (:meth:`openrl.storage.Storage.seal_export`).
+
+    Raises:
+        UserError: an empty list, more than 10 entries, or an entry that is not an ``age1...``
+            X25519 key or an SSH public key (field ``age_encryption_recipients[i]``).
+    """
+    if recipients is None:
+        return
+    parse_recipients(recipients)  # 400 at the edge, before anything is written
+    await asyncio.to_thread(g.storage.put_export_request, path, seq_id, recipients)
 
 
 def _forbidden(detail: str) -> JSONResponse:

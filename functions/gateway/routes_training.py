@@ -183,14 +183,17 @@ async def save_weights_external(req: wire.SaveWeightsExternalRequest, g: Gateway
     checkpoint (``tinker://<run>/external_weights/<name>``), downloadable through
     ``RestClient.get_external_weights_urls``. Future result ``{path, size_bytes}``.
 
+    With ``age_encryption_recipients`` every stored file is age ciphertext ``<file>.age``
+    (see :func:`functions.gateway.routes_download.request_age_encryption`).
+
     Raises:
-        NotSupported: ``age_encryption_recipients`` given (checkpoints are stored unencrypted).
+        UserError: bad ``age_encryption_recipients[i]`` (or an empty / over-long list).
     """
-    if req.age_encryption_recipients:
-        raise NotSupported("age_encryption_recipients", "age-encrypted external weights; omit the recipients "
-                           "(the download URLs are signed and expire instead)")
+    from functions.gateway.routes_download import request_age_encryption
+
     path = checkpoint_path(req.model_id, "external_weights", req.path or f"external-{req.seq_id}")
     run = await g.model(req.model_id, caller.owner)
+    await request_age_encryption(g, TinkerPath.parse(path), req.seq_id, req.age_encryption_recipients)
     return await sequenced(g, run, "save_weights_external", req.seq_id,
                            {"path": path, "ttl_seconds": req.ttl_seconds, "owner": caller.owner})
 

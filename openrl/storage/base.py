@@ -120,3 +120,74 @@ class Storage:
         raise NotImplementedError
 
 
+    # ---- age-encrypted exports (see openrl.storage.sealing) -----------------------------
+
+    def _put_internal(self, key: str, data: bytes) -> None:
+        """Write (or replace) the small internal object ``key`` (relative to the store's root)."""
+        raise NotImplementedError
+
+    def _get_internal(self, key: str) -> bytes | None:
+        """The small internal object ``key``, or None when absent."""
+        raise NotImplementedError
+
+    def _delete_internal(self, key: str) -> None:
+        """Delete the internal object ``key`` (no-op when absent)."""
+        raise NotImplementedError
+
+    def put_export_request(self, path: TinkerPath, seq_id: int | None, recipients: list[str]) -> None:
+        """Record that the ``external_weights`` checkpoint ``path`` saved by request ``seq_id``
+        must be age-encrypted to ``recipients`` (see :mod:`openrl.storage.sealing`). The gateway
+        calls it before it publishes the save; :meth:`seal_export` consumes it.
+
+        Raises:
+            UserError: bad recipients (field ``age_encryption_recipients[i]``), or ``path`` not
+                an ``external_weights`` path (field ``path``).
+        """
+        from openrl.storage.sealing import export_request_key, request_body
+
+        if path.kind != "external_weights":
+            raise UserError("path", f"only external_weights checkpoints are encrypted, not {path.kind}")
+        self._put_internal(export_request_key(path, seq_id), request_body(recipients))
+
+    def export_request(self, path: TinkerPath, seq_id: int | None) -> dict | None:
+        """The encryption request recorded for (``path``, ``seq_id``), or None."""
+        from openrl.storage.sealing import export_request_key
+
+        raw = self._get_internal(export_request_key(path, seq_id))
+        return None if raw is None else json.loads(raw)
+
+    def seal_export(self, path: TinkerPath, local_dir: Path, manifest: dict) -> str | None:
+        """Before :meth:`put_dir` stores an ``external_weights`` checkpoint: when an encryption
+        request exists for ``path`` and ``manifest["seq_id"]``, encrypt every file of
+        ``local_dir`` to ``<file>.age`` (plaintext removed) and rewrite ``manifest`` in place
+        (file table, ``size_bytes``, ``encryption``).
+
+        Returns:
+            the request's key (delete it with :meth:`_delete_internal` once stored), or None
+            when nothing was encrypted.
+
+        Raises:
+            UserError, pyrage.EncryptError, OSError: as :func:`openrl.storage.sealing.seal_dir`.
+        """
+        from openrl.storage.sealing import export_request_key, seal_dir, seal_manifest
+
+        if path.kind != "external_weights":
+            return None
+        key = export_request_key(path, manifest.get("seq_id"))
+        raw = self._get_internal(key)
+        if raw is None:
+            return None
+        recipients = list(json.loads(raw)["recipients"])
+        seal_manifest(manifest, seal_dir(local_dir, recipients), recipients)
+        return key
+
+    def _forget_export_request(self, key: str | None) -> None:
+        """Best-effort delete of a consumed encryption request (a leftover is harmless: it is
+        keyed by its seq_id, and the run's state deletion removes it)."""
+        if key:
+            try:
+                self._delete_internal(key)
+            except Exception:  # noqa: BLE001 - the checkpoint is stored; a stale request only wastes bytes
+                import logging
+
+                logging.getLogger(__name__).warning("could not delete export request %s", key, exc_info=True)

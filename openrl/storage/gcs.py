@@ -186,8 +186,26 @@ class GCSStorage(Storage):
                 self._cleanup(created)
 
     def put_dir(self, path: TinkerPath, local_dir: Path, manifest: dict) -> dict:
+        sealed = self.seal_export(path, Path(local_dir), manifest)  # age-encrypted export: ciphertext only
         files = {f.name: f for f in Path(local_dir).iterdir() if f.is_file() and f.name != MANIFEST}
-        return self._create(path, manifest, sorted(files), lambda name, obj: self._upload_file(obj, files[name]))
+        out = self._create(path, manifest, sorted(files), lambda name, obj: self._upload_file(obj, files[name]))
+        self._forget_export_request(sealed)
+        return out
+
+    def _put_internal(self, key: str, data: bytes) -> None:
+        self.bucket.blob(self._obj(key)).upload_from_string(data, content_type="application/json")
+
+    def _get_internal(self, key: str) -> bytes | None:
+        try:
+            return self.bucket.blob(self._obj(key)).download_as_bytes()
+        except _gexc().NotFound:
+            return None
+
+    def _delete_internal(self, key: str) -> None:
+        try:
+            self.bucket.blob(self._obj(key)).delete()
+        except _gexc().NotFound:
+            pass
 
     def copy(self, src: TinkerPath, dst: TinkerPath, manifest: dict) -> dict:
         """Server-side copy (GCS rewrite; no bytes through this process) of ``src``'s objects

@@ -70,7 +70,33 @@ class FileStorage(Storage):
                     except OSError:  # another file system
                         shutil.copy2(f, tmp / f.name)
 
-        return self._create(path, manifest, fill)
+        sealed = self.seal_export(path, Path(local_dir), manifest)  # age-encrypted export: ciphertext only
+        out = self._create(path, manifest, fill)
+        self._forget_export_request(sealed)
+        return out
+
+    def _internal_path(self, key: str) -> Path:
+        p = (self.root / key).resolve()
+        if self.root.resolve() not in p.parents:
+            raise UserError("path", f"{key} escapes the storage root")
+        return p
+
+    def _put_internal(self, key: str, data: bytes) -> None:
+        p = self._internal_path(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, p)
+
+    def _get_internal(self, key: str) -> bytes | None:
+        try:
+            return self._internal_path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def _delete_internal(self, key: str) -> None:
+        self._internal_path(key).unlink(missing_ok=True)
 
     def scratch_dir(self) -> Path:
         d = self.root / ".scratch"

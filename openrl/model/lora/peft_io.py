@@ -1,6 +1,14 @@
 """PEFT adapter files: ``adapter_model.safetensors`` (keys
 ``base_model.model.<module path>.lora_{A,B}.weight``) + ``adapter_config.json``, the layout
-``peft.PeftModel.from_pretrained(base, dir)`` and vLLM's LoRA loader read."""
+``peft.PeftModel.from_pretrained(base, dir)`` and vLLM's LoRA loader read.
+
+With ``train_unembed`` (Tinker's default) the unembedding LoRA is
+``base_model.model.lm_head.lora_{A,B}.weight`` ([r, hidden], [vocab, r]) with ``"lm_head"`` in
+``target_modules``: the names PEFT gives a LoRA on the ``nn.Linear`` output projection (not
+``lora_embedding_{A,B}``, which PEFT uses for ``nn.Embedding``), so PEFT applies it to the
+logits only, as the trainer does, also on a tied-embedding base
+(tests/stack/test_weights_download.py loads a downloaded adapter with PEFT and matches the
+server's logprobs)."""
 
 from __future__ import annotations
 
