@@ -101,7 +101,41 @@ def validate_datums(fb: proto.FwdBwdRequest, vocab: int, max_context: int | None
                     f"length {tt.shape[0]} != model_input length {len(d.tokens)}")
             require(bool(((tt >= 0) & (tt < vocab)).all()), f"data[{i}].loss_fn_inputs.target_tokens",
                     f"token id outside the vocabulary [0, {vocab})")
+            check_target_shapes(fb.loss_fn, d.loss_fn_inputs, i)
         proto.check_spans(d, i)
         require(fb.loss_fn != "stable_reinforce" or d.loss_fn_input_spans is not None, f"data[{i}].loss_fn_input_spans",
                 "stable_reinforce needs provenance on every datum (Datum.with_provenance naming the sequence_id "
                 "of samples drawn with record_stability_info=True)")
+
+
+#: loss_fn_inputs that hold one value per position: [T] even when target_tokens is [T, K].
+_PER_POSITION_KEYS = ("advantages", "logprobs", "clip_low_threshold", "clip_high_threshold", "sequence_ratio_mask")
+#: losses whose target_tokens may be [T, K] (K candidate targets per position): cross_entropy,
+#: which forward() and the SDK's forward_backward_custom also send.
+TWO_D_LOSSES = ("cross_entropy",)
+
+
+def check_target_shapes(loss_fn: str, inputs: dict[str, np.ndarray], i: int) -> None:
+    """Shapes of one datum's targets: ``target_tokens`` [T] or, for :data:`TWO_D_LOSSES`, [T, K]
+    with K >= 1; ``weights`` exactly ``target_tokens``' shape; per-position inputs
+    (advantages, logprobs, clip thresholds, sequence_ratio_mask) [T].
+
+    Raises:
+        UserError: naming ``data[i].loss_fn_inputs.<key>``.
+    """
+    tt = inputs["target_tokens"]
+    fld = f"data[{i}].loss_fn_inputs"
+    require(tt.ndim in (1, 2), f"{fld}.target_tokens", f"must have shape [T] or [T, K], got {list(tt.shape)}")
+    if tt.ndim == 2:
+        require(loss_fn in TWO_D_LOSSES, f"{fld}.target_tokens",
+                f"[T, K] targets are accepted with loss_fn {', '.join(map(repr, TWO_D_LOSSES))} "
+                f"(forward, forward_backward, forward_backward_custom), not {loss_fn!r}")
+        require(tt.shape[1] >= 1, f"{fld}.target_tokens", "the K dimension of [T, K] targets must be >= 1")
+    w = inputs.get("weights")
+    if w is not None:
+        require(w.shape == tt.shape, f"{fld}.weights",
+                f"shape {list(w.shape)} must equal that of target_tokens {list(tt.shape)}")
+    for key in _PER_POSITION_KEYS:
+        a = inputs.get(key)
+        require(a is None or a.shape == tt.shape[:1], f"{fld}.{key}",
+                f"shape {list(a.shape) if a is not None else None} must be [{tt.shape[0]}] (one value per position)")

@@ -120,3 +120,36 @@ def test_ragged_outputs_encode_as_several_records():
     for ours, theirs in zip(outs, sdk.loss_fn_outputs):
         assert theirs["logprobs"].shape == list(ours["logprobs"].shape)
         np.testing.assert_array_equal(theirs["logprobs"].to_numpy(), ours["logprobs"])
+
+
+# ------------------------------------------------------------------ edge validation (gateway)
+
+
+def _fb(loss_fn: str, inputs: dict) -> P.FwdBwdRequest:
+    return P.FwdBwdRequest("m", 1, loss_fn, {}, False, [P.FwdBwdDatum([1, 2, 3], inputs)])
+
+
+@pytest.mark.parametrize("loss_fn, inputs, field, match", [
+    ("importance_sampling", {"target_tokens": np.zeros((3, 2), np.int64), "logprobs": np.zeros(3, np.float32),
+                             "advantages": np.zeros(3, np.float32)}, "target_tokens", "cross_entropy"),
+    ("cross_entropy", {"target_tokens": np.zeros((3, 0), np.int64)}, "target_tokens", "K dimension"),
+    ("cross_entropy", {"target_tokens": np.zeros((3, 2, 2), np.int64)}, "target_tokens", r"\[T\] or \[T, K\]"),
+    ("cross_entropy", {"target_tokens": np.zeros((3, 2), np.int64), "weights": np.zeros(3, np.float32)},
+     "weights", "must equal"),
+    ("ppo", {"target_tokens": np.zeros(3, np.int64), "logprobs": np.zeros((3, 2), np.float32),
+             "advantages": np.zeros(3, np.float32)}, "logprobs", "one value per position"),
+])
+def test_gateway_refuses_bad_target_shapes_naming_the_field(loss_fn, inputs, field, match):
+    from functions.gateway.fwdbwd import validate_datums
+    from openrl.errors import UserError
+
+    with pytest.raises(UserError, match=match) as e:
+        validate_datums(_fb(loss_fn, inputs), vocab=VOCAB)
+    assert f"data[0].loss_fn_inputs.{field}" in str(e.value)
+
+
+def test_gateway_accepts_two_d_cross_entropy():
+    from functions.gateway.fwdbwd import validate_datums
+
+    validate_datums(_fb("cross_entropy", {"target_tokens": np.ones((3, 4), np.int64),
+                                          "weights": np.full((3, 4), 0.25, np.float32)}), vocab=VOCAB)
