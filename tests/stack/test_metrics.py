@@ -125,7 +125,7 @@ def test_dashboard_queries_only_metrics_that_exist():
         known.add(collector_names)
     dash = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
-    used = {m for e in exprs for m in re.findall(r"\bopenrl_[a-z_]+", e)}
+    used = {m for e in exprs for m in re.findall(r"\bopenrl_[a-z0-9_]+", e)}
     assert len(used) >= 15
     missing = sorted(m for m in used if m not in known)
     assert not missing, missing
