@@ -114,6 +114,8 @@ class Settings(BaseSettings):
     ack_wait_s: float = Field(30.0, gt=0, description="JetStream ack wait of the work consumers")
     futures_ttl_s: float = Field(7 * 86400.0, ge=0, description="lifetime of a future in the KV bucket")
     worker_refresh_s: float = Field(30.0, gt=0, description="seconds between worker-record rewrites")
+    idle_timeout: float = Field(300.0, ge=0, description="embedded stack (openrl serve / run): seconds a worker's "
+                                "queue stays empty before it is stopped (scale to zero); 0 = keep it up")
     host: str = Field("0.0.0.0", description="HTTP binding's listen address")
     port: int = Field(8080, validation_alias=_env("PORT"), description="HTTP binding's port ($PORT, Knative)")
 

@@ -7,7 +7,8 @@ Subcommands::
     openrl models add NAME DIR [--dtype D] [--max-context-length N] / openrl models remove NAME
     openrl serve [--host H] [--port P] [--storage URL] [--no-build] [--model NAME=DIR ...]
                  [--device auto|cpu|cuda] [--trainer-gpu-memory F] [--sampler-gpu-memory F]
-    openrl run [--model NAME=DIR ...] SCRIPT [-- ARGS]
+                 [--idle-timeout SECONDS]
+    openrl run [--model NAME=DIR ...] [--idle-timeout SECONDS] SCRIPT [-- ARGS]
     openrl status [--base-url URL] [--api-key KEY] [--json]
     openrl runs list [--limit N] / openrl checkpoints list RUN
 
@@ -195,6 +196,29 @@ def _configure_models(sub, common: argparse.ArgumentParser) -> None:
     rm.set_defaults(func=_cmd_models_remove)
 
 
+def _idle_timeout(text: str) -> float:
+    """``--idle-timeout SECONDS``: a number >= 0.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, or negative.
+    """
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0), got {text!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return v
+
+
+def _add_supervisor_flags(p: argparse.ArgumentParser) -> None:
+    """``--idle-timeout`` (serve and run)."""
+    p.add_argument("--idle-timeout", type=_idle_timeout, default=None, metavar="SECONDS",
+                   help="stop the trainer / sampler after their work queue stayed empty this long and start them "
+                        "again when requests queue up (scale to zero; frees the GPU); 0 keeps them up "
+                        "(default $OPENRL_IDLE_TIMEOUT, else 300)")
+
+
 def _add_gpu_flags(p: argparse.ArgumentParser) -> None:
     """``--device``, ``--trainer-gpu-memory``, ``--sampler-gpu-memory`` (serve and run)."""
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
@@ -236,6 +260,7 @@ def _configure_serve(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", type=model_spec, default=[], metavar="NAME=DIR",
                    help="register a local model directory first (as `openrl models add NAME DIR`); repeatable")
     _add_gpu_flags(p)
+    _add_supervisor_flags(p)
     p.set_defaults(func=_cmd_serve)
 
 
@@ -266,6 +291,7 @@ def _configure_run(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--no-build", action="store_true")
     p.add_argument("--push", action="store_true", help="functions as HTTP receivers behind a local dispatcher")
     _add_gpu_flags(p)
+    _add_supervisor_flags(p)
     p.add_argument("--model", action="append", type=model_spec, default=[], metavar="NAME=DIR",
                    help="register a local model directory first (as `openrl models add NAME DIR`); repeatable; "
                    "before SCRIPT")

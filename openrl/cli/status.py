@@ -13,6 +13,11 @@ Flags: ``--base-url`` (default ``$TINKER_BASE_URL``, else the gateway in
 ``<state>/ports.json`` of a running ``openrl serve``, else ``http://127.0.0.1:8000``),
 ``--api-key`` (default ``$TINKER_API_KEY``, else ``<state>/api_key``), ``--json`` (the raw
 answers instead of tables). Runs and checkpoints are those of the API key.
+
+``openrl status`` of the gateway of ``openrl serve`` / ``openrl run`` (the one its
+``<state>/supervisor.json`` names) also shows that stack's processes, from that file
+(:mod:`openrl.transport.supervisor`): state (running / starting / stopping / scaled to zero /
+restarting), pid, idle seconds, restarts and the last exit.
 """
 
 from __future__ import annotations
@@ -136,14 +141,38 @@ RUN_COLUMNS = ["run", "base model", "rank", "last request", "last checkpoint", "
 # -- handlers ---------------------------------------------------------------------------------
 
 
+#: ``supervisor.json`` not rewritten for this long (seconds): its stack is not running.
+SUPERVISOR_STALE_S = 10.0
+
+
+def supervisor_state(state_dir: Path, base_url: str) -> dict | None:
+    """The embedded stack's ``<state>/supervisor.json`` when it describes the gateway at
+    ``base_url``, else None; ``stale`` is added (True: not rewritten for
+    :data:`SUPERVISOR_STALE_S` seconds while not marked stopped: the stack died)."""
+    import time
+
+    f = Path(state_dir) / "supervisor.json"
+    try:
+        doc = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+    if str(doc.get("gateway", "")).rstrip("/") != base_url.rstrip("/"):
+        return None
+    doc["stale"] = not doc.get("stopped") and time.time() - float(doc.get("updated_unix") or 0) > SUPERVISOR_STALE_S
+    return doc
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """``openrl status``: workers and queues (``/api/v1/status``), the key's runs and sessions."""
     c = _client(args)
     status = c.get("/api/v1/status")
     runs = c.get("/api/v1/training_runs", limit=args.limit, offset=0)
     sessions = c.get("/api/v1/sessions", limit=10_000, offset=0)
+    sup = supervisor_state(args.state_dir, c.base_url)
     if args.json:
-        print(json.dumps({"base_url": c.base_url, **status, "training_runs": runs, "sessions": sessions}, indent=2))
+        extra = {"supervisor": sup} if sup is not None else {}
+        print(json.dumps({"base_url": c.base_url, **status, "training_runs": runs, "sessions": sessions, **extra},
+                         indent=2))
         return 0
     con = _console()
     gw = status.get("gateway", {})
@@ -157,6 +186,15 @@ def cmd_status(args: argparse.Namespace) -> int:
                      [[w["function"], w.get("shard"), w["state"], w.get("device"), w.get("dtype"), w.get("backend"),
                        w["num_pending"], w["num_ack_pending"], w["num_waiting"], w["num_redelivered"], w.get("idle_s")]
                       for w in status.get("workers", [])]))
+    if sup is not None:
+        idle = sup.get("idle_timeout_s")
+        note = (f"idle workers stop after {idle:g} s" if idle else "workers always up") + (
+            "; STALE: the stack is not running" if sup.get("stale") else "") + (
+            f"; {sup['fatal']}" if sup.get("fatal") else "")
+        con.print(_table(f"Processes (openrl serve supervisor: {note})",
+                         ["process", "state", "pid", "idle s", "restarts", "last exit"],
+                         [[p["name"], p["state"], p.get("pid"), p.get("idle_s"), p.get("restarts"), p.get("last_exit")]
+                          for p in sup.get("processes", [])]))
     con.print(_table("Queues", ["stream", "messages", "size"],
                      [[q["stream"], q["messages"], _size(q.get("bytes"))] for q in status.get("queues", [])]))
     con.print(_table(f"Training runs (latest {args.limit})", RUN_COLUMNS, _run_rows(runs.get("training_runs", [])),

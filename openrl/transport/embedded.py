@@ -12,6 +12,13 @@ Everything lives under a state directory (default ``~/.openrl``):
     <state>/api_key             the generated ``tml-`` API key the examples read; the gateway
                                 accepts it (plus any OPENRL_API_KEYS / OPENRL_API_KEYS_FILE
                                 entries) and nothing else (see openrl/edge/auth.py)
+    <state>/supervisor.json     each process's state, restarts and idle time (``openrl status``)
+
+``openrl serve`` / ``openrl run`` supervise the processes (:mod:`openrl.transport.supervisor`):
+one that dies is restarted with backoff, and with ``--idle-timeout SECONDS`` (default
+``OPENRL_IDLE_TIMEOUT``, 300; 0 = always up) the trainer and the sampler are stopped when
+their work queues stay empty that long and started again when requests queue up (they
+start at zero, unless ``--model`` names models to preload).
 """
 
 from __future__ import annotations
@@ -28,9 +35,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from openrl.config import Settings
+from openrl.contract import topology
 from openrl.model.registry import ModelRegistry, ensure_built
+
+if TYPE_CHECKING:
+    from openrl.transport.supervisor import Supervisor
 
 
 def free_port() -> int:
@@ -107,7 +119,7 @@ class Stack:
     storage: str | None = None
     nats_port: int = 0
     build: bool = True
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    procs: list[subprocess.Popen | None] = field(default_factory=list)  # None: a worker not started yet
     push: bool = False  # functions as HTTP receivers fed by a local dispatcher (the Knative Eventing path)
     extra_env: dict[str, str] = field(default_factory=dict)  # e.g. STORAGE_EMULATOR_HOST
     metrics_urls: dict[str, str] = field(default_factory=dict)  # process name -> its Prometheus /metrics URL
@@ -115,6 +127,9 @@ class Stack:
     trainer_gpu_memory: float | None = None  # --trainer-gpu-memory (None: env, else TRAINER_GPU_MEMORY)
     sampler_gpu_memory: float | None = None  # --sampler-gpu-memory (None: env, else SAMPLER_GPU_MEMORY)
     preload: list[str] = field(default_factory=list)  # base models the workers load at start (--model names)
+    supervise: bool = False  # restart dead processes, scale idle workers to zero (openrl serve / run)
+    idle_timeout: float = 0.0  # --idle-timeout: seconds a worker may idle before it stops (supervise; 0 = never)
+    supervisor: "Supervisor | None" = None  # set by start() when supervise
 
     @property
     def base_url(self) -> str:
@@ -186,39 +201,73 @@ class Stack:
         if self.build:
             ensure_built(registry)
         self.nats_port = self.nats_port or free_port()
-        self.procs.append(start_nats(self.state_dir, self.nats_port))
         env = self.env()
         self._internal_token = secrets.token_urlsafe(24)  # /events/* sinks: gateway and dispatcher only
         logs = self.state_dir / "logs"
         logs.mkdir(exist_ok=True)
+        # (name, spawn, critical, consumer): what the supervisor restarts, in start order
+        specs: list[tuple[str, Callable[[], subprocess.Popen], bool, tuple[str, str] | None]] = [
+            ("nats", lambda: start_nats(self.state_dir, self.nats_port), True, None)]
         routes = []
         for module in ("functions.trainer", "functions.sampler"):
             name = module.split(".")[-1]
-            log = open(logs / f"{name}.log", "ab")
+            port = free_port()  # the HTTP receiver (push), or the worker's Prometheus /metrics (pull)
             if self.push:
-                port = free_port()
                 cmd = [sys.executable, "-m", "openrl.transport.bindings.http", module, "--host", "127.0.0.1", "--port", str(port)]
                 routes += ["--route", f"{name}=http://127.0.0.1:{port}"]
+                cons = None  # the dispatcher consumes; the receivers stay up
             else:
-                port = free_port()  # the worker's Prometheus /metrics
                 cmd = [sys.executable, "-m", "openrl.transport.worker", module, "--nats", self.nats_url, "--metrics-port", str(port)]
+                c = topology.consumer(name)
+                cons = (c.stream, c.durable)
             self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
-            self.procs.append(subprocess.Popen(cmd, env={**env, "OPENRL_METRICS_HOST": "127.0.0.1"}, stdout=log,
-                                               stderr=subprocess.STDOUT))
+            specs.append((name, _spawner(cmd, {**env, "OPENRL_METRICS_HOST": "127.0.0.1"}, logs / f"{name}.log"),
+                          False, cons))
         if self.push:
-            dlog = open(logs / "dispatcher.log", "ab")
-            self.procs.append(subprocess.Popen(
+            specs.append(("dispatcher", _spawner(
                 [sys.executable, "-m", "openrl.transport.bindings.dispatcher", "--nats", self.nats_url,
-                 "--gateway", self.base_url, *routes], env={**env, "OPENRL_INTERNAL_TOKEN": self._internal_token},
-                stdout=dlog, stderr=subprocess.STDOUT))
-        glog = open(logs / "gateway.log", "ab")
-        self.procs.append(subprocess.Popen(
+                 "--gateway", self.base_url, *routes], {**env, "OPENRL_INTERNAL_TOKEN": self._internal_token},
+                logs / "dispatcher.log"), False, None))
+        specs.append(("gateway", _spawner(
             [sys.executable, "-m", "functions.gateway", "--host", self.host, "--port", str(self.port)],
-            env=self.gateway_env(env), stdout=glog, stderr=subprocess.STDOUT))
+            self.gateway_env(env), logs / "gateway.log"), True, None))
+        for _, spawn, _, cons in specs:  # workers that scale to zero start at zero (unless --model preloads)
+            self.procs.append(None if cons and self._starts_at_zero else spawn())
         self.metrics_urls["gateway"] = f"{self.base_url}/metrics"
         self.write_ports()
         self._wait_healthy()
+        if self.supervise:
+            self._start_supervisor(specs)
         return self
+
+    @property
+    def _starts_at_zero(self) -> bool:
+        """Workers are first started by their first request (supervised, idle timeout on,
+        JetStream pull, nothing to preload)."""
+        return self.supervise and self.idle_timeout > 0 and not self.push and not self.preload
+
+    def _start_supervisor(self, specs) -> None:
+        from openrl.transport.supervisor import RUNNING, STARTING, ZERO, Managed, Supervisor
+
+        # a worker counts as starting (never idle) until it pulls from its consumer
+        managed = [Managed(name, spawn, slot=i, critical=critical, consumer=None if self.push else cons,
+                           state=(ZERO if self.procs[i] is None else STARTING) if cons and not self.push else RUNNING)
+                   for i, (name, spawn, critical, cons) in enumerate(specs)]
+        if self.push and self.idle_timeout:
+            print("openrl: --idle-timeout is ignored with --push (the dispatcher, not a queue poll, feeds the "
+                  "functions); they stay up", file=sys.stderr)
+        port = free_port()
+        self.supervisor = Supervisor(managed, self.procs, nats_url=self.nats_url,
+                                     state_file=self.state_dir / "supervisor.json",
+                                     idle_timeout_s=0.0 if self.push else self.idle_timeout,
+                                     info={"gateway": self.base_url, "pid": os.getpid()}).start(metrics_port=port)
+        self.metrics_urls["supervisor"] = f"http://127.0.0.1:{port}/metrics"
+        self.write_ports()
+
+    @property
+    def fatal(self) -> str | None:
+        """Why the supervisor gave up (nats-server or the gateway kept dying), else None."""
+        return self.supervisor.fatal if self.supervisor is not None else None
 
     def write_ports(self) -> Path:
         """Write ``<state>/ports.json``: ``{"gateway": URL, "nats": URL, "metrics": {name: URL}}``
@@ -234,7 +283,7 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for p in self.procs:
-                if p.poll() is not None:
+                if p is not None and p.poll() is not None:
                     raise RuntimeError(f"{p.args} exited with {p.returncode}; logs in {self.state_dir / 'logs'}")
             try:
                 if httpx.get(f"{self.base_url}/api/v1/healthz", timeout=1).status_code == 200:
@@ -245,9 +294,12 @@ class Stack:
         raise TimeoutError(f"gateway not healthy after {timeout_s}s")
 
     def stop(self) -> None:
-        """SIGTERM every process (gateway and workers first, nats-server last) and wait."""
+        """Stop the supervisor, then SIGTERM every process (gateway and workers first,
+        nats-server last) and wait."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
         for p in reversed(self.procs):
-            if p.poll() is None:
+            if p is not None and p.poll() is None:
                 p.send_signal(signal.SIGTERM)
                 try:
                     p.wait(timeout=40)
@@ -262,14 +314,28 @@ class Stack:
         self.stop()
 
 
+def _spawner(cmd: list[str], env: dict[str, str], log: Path) -> Callable[[], subprocess.Popen]:
+    """A function that starts ``cmd`` with ``env``, appending its output to ``log`` (each call a new process)."""
+
+    def spawn() -> subprocess.Popen:
+        with open(log, "ab") as out:
+            return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    return spawn
+
+
 def _stack_from_args(args) -> Stack:
+    """The supervised stack of ``openrl serve`` / ``openrl run`` from their parsed flags
+    (``--idle-timeout`` unset: ``Settings().idle_timeout``)."""
     state = Path(getattr(args, "state_dir", None) or Settings().home_dir)
+    idle = getattr(args, "idle_timeout", None)
     return Stack(state_dir=state.expanduser().resolve(), host=getattr(args, "host", "127.0.0.1"),
                  port=int(getattr(args, "port", 8000)), storage=getattr(args, "storage", None),
                  build=not getattr(args, "no_build", False), push=bool(getattr(args, "push", False)),
                  device=getattr(args, "device", None), trainer_gpu_memory=getattr(args, "trainer_gpu_memory", None),
                  sampler_gpu_memory=getattr(args, "sampler_gpu_memory", None),
-                 preload=[name for name, _ in getattr(args, "model", None) or []])
+                 preload=[name for name, _ in getattr(args, "model", None) or []], supervise=True,
+                 idle_timeout=Settings().idle_timeout if idle is None else float(idle))
 
 
 def main(args) -> int:
@@ -285,18 +351,17 @@ def main(args) -> int:
     stack.start()
     key = api_key(stack.state_dir)
     print(json.dumps({"base_url": stack.base_url, "api_key_file": str(stack.state_dir / "api_key")}))
-    print(f"openrl is serving on {stack.base_url}  (API key: {key}; Ctrl-C stops)", flush=True)
+    idle = f"; idle workers stop after {stack.idle_timeout:g} s" if stack.idle_timeout and not stack.push else ""
+    print(f"openrl is serving on {stack.base_url}  (API key: {key}{idle}; Ctrl-C stops)", flush=True)
     try:
-        while not stop["flag"]:
-            for p in stack.procs:
-                if p.poll() is not None:
-                    print(f"{p.args[:3]} exited with {p.returncode}; stopping", file=sys.stderr)
-                    stop["flag"] = True
-            time.sleep(0.5)
+        while not stop["flag"] and not stack.fatal:
+            stack.supervisor.fatal_event.wait(0.5)
     finally:
+        if stack.fatal:
+            print(f"openrl serve: {stack.fatal}; logs in {stack.state_dir / 'logs'}", file=sys.stderr)
         print("stopping...", flush=True)
         stack.stop()
-    return 0
+    return 1 if stack.fatal else 0
 
 
 def run_script(args) -> int:
@@ -306,6 +371,18 @@ def run_script(args) -> int:
     try:
         env = {**os.environ, "TINKER_BASE_URL": stack.base_url, "TINKER_API_KEY": api_key(stack.state_dir),
                "TINKER_TELEMETRY": "0", "OPENRL_HOME": str(stack.state_dir)}
-        return subprocess.call([sys.executable, args.script, *args.script_args], env=env)
+        script = subprocess.Popen([sys.executable, args.script, *args.script_args], env=env)
+        try:
+            while script.poll() is None:
+                if stack.fatal:
+                    print(f"openrl run: {stack.fatal}; stopping the script", file=sys.stderr)
+                    script.terminate()
+                    script.wait()
+                    return 1
+                time.sleep(0.5)
+        except KeyboardInterrupt:  # Ctrl-C reached the script too (same process group)
+            script.wait()
+            raise
+        return script.returncode
     finally:
         stack.stop()

@@ -1,0 +1,360 @@
+"""The embedded stack's supervisor: restarts what dies, scales idle workers to zero.
+
+``openrl serve`` / ``openrl run`` (:class:`openrl.transport.embedded.Stack` with
+``supervise=True``) hand their processes to a :class:`Supervisor`, which checks them every
+``poll_s`` (0.5 s) on a background thread:
+
+- **Restarts.** A process that exits without being asked to (any signal or exit code: a
+  ``kill -9``, a CUDA out-of-memory kill, an exception) is started again with the same
+  command line and environment after an exponential backoff (:class:`Backoff`: 0.5 s,
+  1 s, 2 s, ... capped at 30 s; back to 0.5 s once a process ran 60 s). The reason is logged
+  (``openrl.supervisor``) and counted in ``openrl_worker_restarts_total{function=...}``. The
+  other processes keep running; a restarted trainer restores each run from its last flushed
+  state on the run's next request, and the request the dead trainer held unacked is
+  redelivered after the JetStream ack wait (``functions/trainer/durable.py``).
+  nats-server and the gateway are restarted too, but when one of them dies
+  ``crash_limit`` times (3) within ``crash_window_s`` (60 s) the supervisor gives up:
+  :attr:`Supervisor.fatal` names it and the stack stops.
+- **Scale to zero.** With ``idle_timeout_s`` > 0, a JetStream worker (trainer, sampler) whose
+  durable consumer had no pending and no unacked message (``consumer_info``'s
+  ``num_pending + num_ack_pending``) for ``idle_timeout_s`` seconds gets SIGTERM: it stops
+  fetching, drains, and the trainer flushes its run state. When messages are pending on
+  the consumer of a worker at zero, the worker is started again; requests meanwhile wait in
+  the work queue (the gateway only publishes: no request reaches a worker any other way).
+  Stopping the process frees its GPU memory. The stack then also starts with its workers at
+  zero (first started by the first request), unless ``--model`` asks them to preload.
+
+What it sees is written every poll (when it changed, and at least every second) to
+``<state>/supervisor.json`` (:meth:`Supervisor.snapshot`; ``openrl status`` prints it) and served
+as Prometheus metrics on the port given to :meth:`Supervisor.start`
+(``openrl_worker_restarts_total``, ``openrl_function_processes``, ``openrl_function_idle_seconds``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger("openrl.supervisor")
+
+#: Process states shown by ``openrl status``.
+RUNNING, STARTING, STOPPING, ZERO, RESTARTING, FAILED, STOPPED = (
+    "running", "starting", "stopping", "scaled to zero", "restarting", "failed", "stopped")
+
+
+@dataclass
+class Backoff:
+    """Exponential restart delay: ``min(cap_s, base_s * 2 ** (n - 1))`` seconds before the n-th
+    restart in a row; the count starts over once a process ran ``stable_s`` seconds."""
+
+    base_s: float = 0.5
+    cap_s: float = 30.0
+    stable_s: float = 60.0
+
+    def delay(self, n: int) -> float:
+        """Seconds to wait before the ``n``-th consecutive restart (n >= 1)."""
+        return min(self.cap_s, self.base_s * 2 ** max(0, n - 1))
+
+
+@dataclass
+class Managed:
+    """One supervised process.
+
+    Attributes:
+        name: ``nats``, ``gateway``, ``trainer``, ``sampler`` or ``dispatcher`` (the metrics'
+            ``function`` label).
+        spawn: starts the process (same command line and environment every time) and
+            returns it; it may block until the process listens (nats-server).
+        slot: index of this process in the stack's ``procs`` list, replaced on every start
+            (None there: a worker not started yet, in state ``scaled to zero``).
+        critical: dying ``crash_limit`` times within ``crash_window_s`` stops the stack.
+        consumer: ``(stream, durable)`` of its JetStream work consumer: a worker that scales
+            to zero; None for the others.
+    """
+
+    name: str
+    spawn: Callable[[], subprocess.Popen]
+    slot: int
+    critical: bool = False
+    consumer: tuple[str, str] | None = None
+    state: str = RUNNING
+    restarts: int = 0
+    streak: int = 0  # restarts in a row without a stable run
+    deaths: list[float] = field(default_factory=list)  # monotonic times of unexpected exits
+    last_exit: str | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    restart_at: float = 0.0
+    stop_sent_at: float = 0.0
+    last_busy: float = field(default_factory=time.monotonic)
+    queued: int | None = None
+    running: int | None = None
+
+
+def describe_exit(code: int) -> str:
+    """``-9`` -> ``"killed by SIGKILL"``, ``1`` -> ``"exit code 1"`` (a Popen return code)."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class Supervisor:
+    """Watches the stack's processes (see the module doc).
+
+    Args:
+        managed: the processes, already started (their current Popen is ``procs[m.slot]``).
+        procs: the stack's process list; a restart replaces the entry in place.
+        nats_url: where the work consumers are read.
+        state_file: ``<state>/supervisor.json``.
+        idle_timeout_s: idle grace of the workers (seconds); 0 keeps them up.
+        info: extra keys of the state file (e.g. the gateway URL).
+        poll_s: seconds between two checks. stop_timeout_s: how long a worker stopped for
+            idleness may drain and flush before it is SIGKILLed.
+
+    Raises:
+        ValueError: a negative ``idle_timeout_s``.
+    """
+
+    def __init__(self, managed: list[Managed], procs: list[subprocess.Popen], *, nats_url: str, state_file: Path,
+                 idle_timeout_s: float = 0.0, info: dict | None = None, poll_s: float = 0.5,
+                 backoff: Backoff | None = None, crash_limit: int = 3, crash_window_s: float = 60.0,
+                 stop_timeout_s: float = 300.0):
+        if idle_timeout_s < 0:
+            raise ValueError(f"idle_timeout (--idle-timeout, OPENRL_IDLE_TIMEOUT) must be >= 0 seconds, "
+                             f"got {idle_timeout_s}")
+        self.managed, self.procs = managed, procs
+        self.nats_url, self.state_file = nats_url, Path(state_file)
+        self.idle_timeout_s, self.info = float(idle_timeout_s), dict(info or {})
+        self.poll_s, self.backoff = poll_s, backoff or Backoff()
+        self.crash_limit, self.crash_window_s, self.stop_timeout_s = crash_limit, crash_window_s, stop_timeout_s
+        self.fatal: str | None = None
+        self.fatal_event = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._http = None
+        self._last_write = 0.0
+        self._last_doc: str | None = None
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = CollectorRegistry()  # its own: several stacks may live in one (test) process
+        self.restarts_total = Counter("openrl_worker_restarts", "processes of the embedded stack restarted "
+                                      "after they died", ["function"], registry=self.registry)
+        self.up = Gauge("openrl_function_processes", "running processes per function (0: scaled to zero or down)",
+                        ["function"], registry=self.registry)
+        self.idle = Gauge("openrl_function_idle_seconds", "seconds since the function's work consumer last "
+                          "held a pending or unacked message", ["function"], registry=self.registry)
+        for m in managed:
+            self.restarts_total.labels(m.name)
+            self.up.labels(m.name).set(0 if procs[m.slot] is None else 1)
+
+    # ----- lifecycle ----------------------------------------------------------------------
+    def start(self, metrics_port: int = 0, metrics_host: str = "127.0.0.1") -> "Supervisor":
+        """Start watching on a daemon thread; serve the metrics on ``metrics_port`` (0: not at all)."""
+        if metrics_port:
+            from prometheus_client import start_http_server
+
+            self._http, _ = start_http_server(metrics_port, addr=metrics_host, registry=self.registry)
+        self._write(force=True)
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="openrl-supervisor",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (no more restarts or scaling); the processes are left as they are."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        self._write(force=True, stopped=True)
+
+    def proc(self, name: str) -> subprocess.Popen | None:
+        """The current (possibly exited) process of ``name``; None before its first start.
+
+        Raises:
+            KeyError: no process of that name.
+        """
+        for m in self.managed:
+            if m.name == name:
+                return self.procs[m.slot]
+        raise KeyError(name)
+
+    # ----- the loop -----------------------------------------------------------------------
+    async def _main(self) -> None:
+        conn: dict = {"nc": None, "js": None}
+
+        async def connect() -> None:  # in the background: restarts never wait for NATS
+            import nats
+
+            while not self._stop.is_set():
+                try:
+                    nc = await nats.connect(self.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                            connect_timeout=5)
+                    conn["nc"], conn["js"] = nc, nc.jetstream(timeout=2)
+                    return
+                except Exception as exc:  # noqa: BLE001 - nats-server (re)starting
+                    log.warning("supervisor: cannot reach NATS yet (%s); retrying", exc)
+                    await asyncio.sleep(1.0)
+
+        connecting = asyncio.create_task(connect())
+        try:
+            while not self._stop.is_set() and self.fatal is None:
+                try:
+                    await self.tick(conn["js"])
+                except Exception:  # noqa: BLE001 - the supervisor itself never dies of one bad check
+                    log.exception("supervisor check failed")
+                await asyncio.sleep(self.poll_s)
+        finally:
+            connecting.cancel()
+            if conn["nc"] is not None:
+                try:
+                    await conn["nc"].close()
+                except Exception:  # noqa: BLE001
+                    pass
+
+    async def _load(self, js, m: Managed) -> tuple[int, int, int] | None:
+        """``(num_pending, num_ack_pending, num_waiting)`` of ``m``'s consumer; a missing consumer
+        counts the stream's messages as pending; None when JetStream cannot be read."""
+        if js is None or m.consumer is None:
+            return None
+        stream, durable = m.consumer
+        from nats.js.errors import NotFoundError
+
+        try:
+            info = await js.consumer_info(stream, durable)
+            return int(info.num_pending or 0), int(info.num_ack_pending or 0), int(info.num_waiting or 0)
+        except NotFoundError:  # no worker ever bound it (new state dir): the stream holds the work
+            try:
+                return int((await js.stream_info(stream)).state.messages or 0), 0, 0
+            except Exception:  # noqa: BLE001
+                return None
+        except Exception:  # noqa: BLE001 - NATS restarting
+            return None
+
+    async def tick(self, js) -> None:
+        """One check of every process (see the module doc)."""
+        now = time.monotonic()
+        for m in self.managed:
+            if self._stop.is_set():
+                return
+            p = self.procs[m.slot]
+            code = p.poll() if p is not None else None
+            if code is not None and m.state in (RUNNING, STARTING):
+                self._died(m, p, code, now)
+            elif code is not None and m.state == STOPPING:
+                m.state = ZERO
+                m.last_exit = describe_exit(code)
+                self.up.labels(m.name).set(0)
+                log.info("%s (pid %d) scaled to zero after %.1f s idle (%s)", m.name, p.pid,
+                         now - m.last_busy, m.last_exit)
+            elif p is not None and code is None and m.state == STOPPING and now - m.stop_sent_at > self.stop_timeout_s:
+                log.warning("%s (pid %d) did not stop %.0f s after SIGTERM; killing it", m.name, p.pid,
+                            self.stop_timeout_s)
+                p.kill()
+            if self.fatal is not None:
+                return
+            if m.state == RESTARTING and now >= m.restart_at:
+                await self._spawn(m, restart=True)
+            load = await self._load(js, m)
+            if load is None:
+                continue
+            pending, ack_pending, waiting = load
+            m.queued, m.running = pending, ack_pending
+            if pending + ack_pending > 0 or m.state == STARTING and not waiting:
+                m.last_busy = now  # a worker loading its model is not idle yet
+            if m.state == STARTING and waiting:
+                m.state = RUNNING  # it pulls
+            if self.idle_timeout_s > 0 and m.state == RUNNING and now - m.last_busy >= self.idle_timeout_s:
+                log.info("%s (pid %d) idle for %.1f s (--idle-timeout %g): SIGTERM", m.name, p.pid,
+                         now - m.last_busy, self.idle_timeout_s)
+                m.state, m.stop_sent_at = STOPPING, now
+                p.send_signal(signal.SIGTERM)
+            elif m.state == ZERO and pending + ack_pending > 0:
+                log.info("%s: %d requests queued at zero: starting it", m.name, pending + ack_pending)
+                await self._spawn(m, restart=False)
+            self.idle.labels(m.name).set(round(now - m.last_busy, 3))
+        self._write()
+
+    def _died(self, m: Managed, p: subprocess.Popen, code: int, now: float) -> None:
+        m.last_exit = describe_exit(code)
+        self.up.labels(m.name).set(0)
+        if now - m.started_at >= self.backoff.stable_s:
+            m.streak = 0
+        m.streak += 1
+        m.deaths = [t for t in m.deaths if now - t < self.crash_window_s] + [now]
+        if m.critical and len(m.deaths) >= self.crash_limit:
+            m.state = FAILED
+            self.fatal = (f"{m.name} died {len(m.deaths)} times within {self.crash_window_s:g} s "
+                          f"(last: {m.last_exit}); stopping the stack")
+            log.error("%s", self.fatal)
+            self._write(force=True)
+            self.fatal_event.set()
+            return
+        delay = self.backoff.delay(m.streak)
+        m.state, m.restart_at = RESTARTING, now + delay
+        log.warning("%s (pid %d) died: %s; restarting in %.1f s (restart %d in a row)", m.name, p.pid,
+                    m.last_exit, delay, m.streak)
+
+    async def _spawn(self, m: Managed, *, restart: bool) -> None:
+        try:
+            new = await asyncio.to_thread(m.spawn)
+        except Exception as exc:  # noqa: BLE001 - e.g. nats-server's port still taken: try again later
+            m.streak += 1
+            delay = self.backoff.delay(m.streak)
+            m.state, m.restart_at, m.last_exit = RESTARTING, time.monotonic() + delay, f"start failed: {exc}"
+            log.warning("%s could not be started (%s); retrying in %.1f s", m.name, exc, delay)
+            return
+        self.procs[m.slot] = new
+        now = time.monotonic()
+        m.started_at = m.last_busy = now
+        m.state = STARTING if m.consumer is not None else RUNNING
+        self.up.labels(m.name).set(1)
+        if restart:
+            m.restarts += 1
+            self.restarts_total.labels(m.name).inc()
+        log.info("%s %s (pid %d)", m.name, "restarted" if restart else "started", new.pid)
+
+    # ----- state file ---------------------------------------------------------------------
+    def snapshot(self, *, stopped: bool = False) -> dict:
+        """The state file's content::
+
+            {"updated_unix", "idle_timeout_s", "stopped", "fatal", <info>...,
+             "processes": [{"name", "state", "pid", "idle_s", "restarts", "last_exit",
+                            "queued", "running"}]}
+
+        ``idle_s`` (seconds since the worker's consumer last held work) and ``queued`` /
+        ``running`` (its consumer's pending / unacked messages) are None for nats and the gateway.
+        """
+        now = time.monotonic()
+        rows = []
+        for m in self.managed:
+            p = self.procs[m.slot]
+            alive = p is not None and p.poll() is None
+            rows.append({"name": m.name, "state": STOPPED if stopped else m.state, "pid": p.pid if alive else None,
+                         "idle_s": round(now - m.last_busy, 1) if m.consumer else None, "restarts": m.restarts,
+                         "last_exit": m.last_exit, "queued": m.queued, "running": m.running})
+        return {**self.info, "updated_unix": round(time.time(), 3), "idle_timeout_s": self.idle_timeout_s,
+                "stopped": stopped, "fatal": self.fatal, "processes": rows}
+
+    def _write(self, *, force: bool = False, stopped: bool = False) -> None:
+        doc = self.snapshot(stopped=stopped)
+        key = json.dumps({**doc, "updated_unix": 0, "processes": [{**r, "idle_s": None} for r in doc["processes"]]})
+        if not force and key == self._last_doc and time.monotonic() - self._last_write < 1.0:
+            return
+        tmp = self.state_file.with_name(self.state_file.name + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        tmp.replace(self.state_file)
+        self._last_doc, self._last_write = key, time.monotonic()
