@@ -29,6 +29,7 @@ Not thread-safe: call it from one thread (or serialise calls).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -52,6 +53,8 @@ from openrl.model.lora import (
 )
 from openrl.model.kernels import accelerate_model
 from openrl.model.logprobs import DEFAULT_CHUNK_TOKENS, pad_batch, target_logprobs
+
+log = logging.getLogger(__name__)
 
 OPTIMIZER_NAME = "optimizer.pt"
 RUN_NAME = "run.json"
@@ -297,22 +300,31 @@ class TrainerEngine:
             m: [None if p.grad is None else p.grad.detach().clone() for p in self.runs[m].optimizer.params]
             for m in grad_runs
         }
-        loss_sums = {i: 0.0 for i in valid}
-        mismatch = {i: MismatchStats() for i in valid}
-        try:
-            for mb in self._micro_batches(all_rows):
-                self._run_micro_batch(mb, items, configs, results, loss_sums, mismatch)
-        except Exception as e:  # restore gradients: a failed pass must not half-apply
-            for m, grads in snapshot.items():
-                for p, g in zip(self.runs[m].optimizer.params, grads):
-                    p.grad = g
-            del snapshot
-            if isinstance(e, torch.cuda.OutOfMemoryError):
-                return self._after_oom(items, results, valid, all_rows, e)
-            err = ServerError(f"forward_backward pass failed: {type(e).__name__}: {e}")
+        while True:
+            loss_sums = {i: 0.0 for i in valid}
+            mismatch = {i: MismatchStats() for i in valid}
             for i in valid:
-                results[i] = FwdBwdResult(error=err)
-            return results
+                results[i].metrics = {"loss:sum": 0.0}
+            oom = None
+            try:
+                for mb in self._micro_batches(all_rows):
+                    self._run_micro_batch(mb, items, configs, results, loss_sums, mismatch)
+                break
+            except Exception as e:  # restore gradients: a failed pass must not half-apply
+                for m, grads in snapshot.items():
+                    for p, g in zip(self.runs[m].optimizer.params, grads):
+                        p.grad = None if g is None else g.clone()
+                if not isinstance(e, torch.cuda.OutOfMemoryError):
+                    err = ServerError(f"forward_backward pass failed: {type(e).__name__}: {e}")
+                    for i in valid:
+                        results[i] = FwdBwdResult(error=err)
+                    return results
+                oom = str(e).splitlines()[0][:200]
+            # out of the except block: the exception's frames (and the pass's activations) are freed
+            torch.cuda.empty_cache()
+            if not self._shrink_micro_batches(all_rows, oom):
+                del snapshot
+                return self._after_oom(items, results, valid, all_rows, oom)
         for i in valid:
             results[i].metrics["loss:sum"] = float(loss_sums[i])
             if not mismatch[i].empty:
@@ -320,10 +332,26 @@ class TrainerEngine:
                 results[i].mismatch = mismatch[i]
         return results
 
-    def _after_oom(self, items, results, valid, rows, exc) -> list[FwdBwdResult]:
-        """A packed pass ran out of GPU memory (gradients already restored): free the cache and
-        run each request alone, so only a request too big by itself fails (with a message
-        saying so) and the others' results are as if packed."""
+    def _shrink_micro_batches(self, rows: list[_Row], oom: str) -> bool:
+        """After a CUDA out-of-memory: halve the padded tokens per micro-batch (``max_tokens``, kept
+        for later passes) below the largest micro-batch of ``rows``; False when that batch is
+        already a single row (nothing left to split).
+
+        Activation memory grows with the tokens in one micro-batch (every layer keeps its inputs
+        for backward), so a budget that fits SFT's 8 x 1,024 tokens can overflow an RL pass of
+        8 runs x 16 samples on a GPU the trainer shares with the sampler."""
+        biggest = max(self._micro_batches(rows), key=lambda mb: len(mb) * mb[0].n)
+        if len(biggest) <= 1:
+            return False
+        self.max_tokens = max(1, (len(biggest) * biggest[0].n) // 2)
+        log.warning("CUDA out of memory in a pass of %d rows (%s): micro-batches now at most %d padded tokens",
+                    len(rows), oom, self.max_tokens)
+        return True
+
+    def _after_oom(self, items, results, valid, rows, oom: str) -> list[FwdBwdResult]:
+        """A pass ran out of GPU memory with micro-batches of one row (gradients already
+        restored): run each request alone, so only a request too big by itself fails (with a
+        message saying so) and the others' results are as if packed."""
         torch.cuda.empty_cache()
         if len(valid) > 1:
             for i in valid:
@@ -335,7 +363,7 @@ class TrainerEngine:
             f"CUDA out of memory running this forward_backward ({len(rows)} datums, {tokens} tokens) on "
             f"{self.device} ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free after the failure): send fewer or "
             f"shorter datums per request, or give the trainer more GPU memory (openrl serve --trainer-gpu-memory). "
-            f"Nothing was applied; the trainer keeps serving. ({str(exc).splitlines()[0][:200]})")
+            f"Nothing was applied; the trainer keeps serving. ({oom})")
         for i in valid:
             results[i] = FwdBwdResult(error=err)
         return results
