@@ -98,3 +98,25 @@ def test_sampled_then_trained_mismatch_is_float_noise(stack, tc):
     assert m["sample_train_logprob_diff_abs:max"] < 1e-3
     print(f"CPU float32 stack: kl_sample_train_v1 {m['kl_sample_train_v1:mean']:.3g}, "
           f"v2 {m['kl_sample_train_v2:mean']:.3g}, max |d| {m['sample_train_logprob_diff_abs:max']:.3g}")
+
+
+def test_stable_reinforce_reports_mismatch_of_recorded_logprobs(stack, tc):
+    """stable_reinforce (no client-side logprobs needed): the mismatch is measured against the
+    logprobs the sampler recorded, on the tokens the cookbook's provenance spans name as sampled."""
+    import asyncio
+    import dataclasses
+
+    from tinker_cookbook.completers import TinkerTokenCompleter
+    from tinker_cookbook.rl.data_processing import trajectory_to_data
+    from tinker_cookbook.rl.types import Trajectory, Transition
+
+    sc = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    ob = types.ModelInput.from_ints(SEQ[:6])
+    ac = asyncio.run(TinkerTokenCompleter(sc, max_tokens=6)(ob, stop=[]))
+    data = trajectory_to_data(Trajectory(transitions=[Transition(ob, ac, 1.0, True)], final_ob=ob), 0.5)
+    # as the cookbook's rl.train sends it: no mask, and here no client logprobs either
+    data = [dataclasses.replace(d, loss_fn_inputs={k: v for k, v in d.loss_fn_inputs.items()
+                                                   if k not in ("mask", "logprobs")}) for d in data]
+    m = tc.forward_backward(data, "stable_reinforce").result().metrics
+    assert m["sample_train_tokens:sum"] == len(ac.tokens)
+    assert abs(m["kl_sample_train_v1:mean"]) < 1e-4 and m["sample_train_logprob_diff_abs:max"] < 1e-3
