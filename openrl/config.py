@@ -87,6 +87,10 @@ class Settings(BaseSettings):
     trainer_gpu_memory: float | None = Field(
         None, gt=0, le=1, description="fraction of the GPU the trainer may allocate; None = all")
     pack_max_delay_s: float = Field(0.25, ge=0, description="longest a ready pass waits for other runs; 0 = never")
+    pass_token_budget: int = Field(
+        262_144, ge=0, description="most tokens of one packed pass, filled round-robin over API keys so one key's "
+        "flood cannot starve another's runs (each key's first ready request always goes in); 0 = no budget. "
+        "The default is 8 of the engine's 32768-token micro-batches")
     seq_gap_timeout_s: float = Field(300.0, ge=0, description="how long a request waits for a missing seq_id")
     max_seq_ahead: int = Field(10_000, ge=0, description="seq_ids further past a run's next one fail at once")
     flush_interval_s: float = Field(120.0, ge=0, description="periodic run-state flush interval; 0 = off")

@@ -100,6 +100,7 @@ class TrainerFunction:
             gap_timeout_s=cfg.seq_gap_timeout_s, max_ahead=cfg.max_seq_ahead,
             on_pass=self._account, gap_error=self._gap_error, run_optims=self._run_optims,
             policy=PackPolicy(max_delay_s=cfg.pack_max_delay_s),
+            owner_of=self.runs.owner, pass_token_budget=cfg.pass_token_budget,  # fair share per API key
         )
         self.durable = RunDurability(self.storage, self.runs, self.scheduler, engines=self.engines,
                                      load_engine=self._engine_for, engine_lock=self._lock,

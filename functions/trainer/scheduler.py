@@ -20,6 +20,16 @@ it sends a request while other runs are at work, so a run that went away (or is 
 sampling, or takes turns with another run of the same client) costs one delay, not one per
 pass. With one active run nothing is ever held.
 
+Fair sharing between tenants (:meth:`Scheduler.fill`): a pass takes at most
+``pass_token_budget`` tokens (the datums' token counts), filled round-robin over *owners* (the
+API key behind each run), and within an owner over its runs, one request at a time, each run
+keeping a seq_id prefix. Every owner with a ready request gets its first request into the
+pass whatever its size, so a key that floods the trainer with big batches fills the budget
+only after every other key's next request is in: its surplus waits for later passes, and a
+small run of another key runs in the very next pass. Owners are visited oldest waiting head
+first (first come, first served across passes). A budget of 0 turns this off (every ready
+request goes into the pass, as before).
+
 A request whose predecessor has not arrived after ``gap_timeout_s`` seconds fails with
 category "user" instead of blocking the run forever; a duplicate of an applied request
 gets the cached result of the first.
@@ -28,12 +38,13 @@ gets the cached result of the first.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from openrl.observe import metrics
+from openrl.observe import metrics, tracing
 from openrl.errors import UserError
 
 PACKABLE = ("forward", "forward_backward")
@@ -49,6 +60,17 @@ class Pending:
     payload: Any
     future: asyncio.Future
     arrived: float = field(default_factory=time.monotonic)
+    tokens: int = 0  # tokens of a forward(_backward) (sum over its datums), 0 for other ops
+    after_pass: int = 0  # packed passes started before it arrived (its "next pass" is after_pass + 1)
+
+
+def request_tokens(payload: Any) -> int:
+    """Tokens of a forward(_backward) payload: the sum of its datums' ``len(tokens)``; 0 for a
+    payload without ``data`` (other ops, tests' stand-ins)."""
+    try:
+        return sum(len(d.tokens) for d in (getattr(payload, "data", None) or ()))
+    except (TypeError, AttributeError):
+        return 0
 
 
 @dataclass
@@ -187,6 +209,16 @@ class Scheduler:
             request whose predecessor never arrived; None (or no callable) gives the default
             UserError on ``seq_id`` (the trainer answers "server" when the gap is work lost
             in a trainer crash, see ``TrainerFunction._gap_error``).
+        owner_of: ``(model_id) -> str | None``, the owner id (API key) of a run, for the fair
+            fill (:meth:`fill`); a run without one counts as its own owner. The trainer passes
+            :meth:`functions.trainer.runs.RunTable.owner`.
+        pass_token_budget: most tokens per packed pass, filled round-robin over owners
+            (:meth:`fill`); 0 = no budget (every ready request goes in).
+
+    Attributes:
+        passes: packed passes started. deferred: ready requests left for a later pass by the
+        budget. pass_log: the last 256 passes, each a list of ``(model_id, seq_id, after_pass)``
+        (tests and debugging; the same goes into the ``trainer pass`` span's ``openrl.pass.items``).
     """
 
     def __init__(self, run_packed: Callable[[list[Pending]], Awaitable[list]], run_single: Callable[[Pending], Awaitable],
@@ -195,7 +227,12 @@ class Scheduler:
                  on_pass: Callable[[list[Pending], float], None] | None = None,
                  gap_error: Callable[[str, int, int], BaseException | None] | None = None,
                  run_optims: Callable[[list[Pending]], Awaitable[list]] | None = None,
-                 policy: PackPolicy | None = None):
+                 policy: PackPolicy | None = None,
+                 owner_of: Callable[[str], str | None] | None = None, pass_token_budget: int = 0):
+        self.owner_of = owner_of
+        self.pass_token_budget = int(pass_token_budget)
+        self.deferred = 0
+        self.pass_log: deque[list[tuple[str, int, int]]] = deque(maxlen=256)
         self.run_packed, self.run_single, self.group_of = run_packed, run_single, group_of
         self.run_optims = run_optims
         self.policy = policy if policy is not None else PackPolicy()
@@ -251,7 +288,8 @@ class Scheduler:
         if seq_id in q.pending:
             return await asyncio.shield(q.pending[seq_id].future)
         fut = asyncio.get_running_loop().create_future()
-        q.pending[seq_id] = Pending(model_id, seq_id, op, payload, fut)
+        q.pending[seq_id] = Pending(model_id, seq_id, op, payload, fut,
+                                    tokens=request_tokens(payload) if op in PACKABLE else 0, after_pass=self.passes)
         if op in PACKABLE:
             group = self.group_of(model_id)
             overlap = any(r.pending for m, r in self.runs.items() if m != model_id and self.group_of(m) == group)
@@ -346,14 +384,66 @@ class Scheduler:
             for p, r in zip(group, results):
                 self._finish(p, exc=r) if isinstance(r, BaseException) else self._finish(p, r)
 
+    def _owner(self, model_id: str) -> str:
+        owner = self.owner_of(model_id) if self.owner_of is not None else None
+        return owner or f"run:{model_id}"
+
+    def fill(self, group: list[list[Pending]]) -> list[list[Pending]]:
+        """The part of one base model's ready work that goes into the next pass.
+
+        ``group`` holds, per run, its ready prefix of forward(_backward)s in seq_id order. Owners
+        (:meth:`_owner`) are visited in the order of their longest-waiting head request; each
+        visit takes the next request of the owner's next run (its runs in turn). An owner's first
+        request of the pass is always taken; a later one only while the pass stays within
+        ``pass_token_budget`` tokens, else that run takes nothing more in this pass (its later
+        seq_ids cannot overtake it) and the others go on. Returns the chosen prefixes, in the
+        order of ``group``; what is left stays queued for the next pass (``deferred`` counts it).
+        """
+        budget = self.pass_token_budget
+        if budget <= 0:
+            return group
+        order = sorted(range(len(group)), key=lambda i: group[i][0].arrived)
+        owners: dict[str, deque[int]] = {}
+        for i in order:
+            owners.setdefault(self._owner(group[i][0].model_id), deque()).append(i)
+        taken = [0] * len(group)
+        used, served = 0, set()
+        progressed = True
+        while progressed:
+            progressed = False
+            for owner, runs in owners.items():
+                if not runs:
+                    continue
+                i = runs[0]
+                p = group[i][taken[i]]
+                if owner in served and used + p.tokens > budget:
+                    runs.popleft()  # this run is full for this pass; the owner's other runs go on
+                    progressed = True
+                    continue
+                taken[i] += 1
+                used += p.tokens
+                served.add(owner)
+                progressed = True
+                runs.popleft()
+                if taken[i] < len(group[i]):
+                    runs.append(i)  # the owner's next request comes from its next run
+        self.deferred += sum(len(run) - k for run, k in zip(group, taken))
+        return [run[:k] for run, k in zip(group, taken) if k]
+
     async def _run_pass(self, group: list[list[Pending]]) -> None:
         items = [p for run in group for p in run]
         self.passes += 1
         self.packed_runs_last = len(group)
         metrics.PACKED_RUNS.observe(len(group))
+        self.pass_log.append([(p.model_id, p.seq_id, p.after_pass) for p in items])
         t0 = time.perf_counter()
         try:
-            results = await self.run_packed(items)
+            with tracing.span("trainer pass", attributes={
+                    "openrl.pass.index": self.passes, "openrl.pass.runs": len(group),
+                    "openrl.pass.tokens": sum(p.tokens for p in items),
+                    "openrl.pass.items": json.dumps([[p.model_id, p.seq_id, p.after_pass, p.tokens,
+                                                      self._owner(p.model_id)] for p in items[:512]])}):
+                results = await self.run_packed(items)
         except Exception as exc:  # noqa: BLE001
             for p in items:
                 self._finish(p, exc=exc)
@@ -390,7 +480,7 @@ class Scheduler:
                     self._hold_until = until if self._hold_until is None else min(self._hold_until, until)
                     continue
                 self.policy.ran(gkey)
-                await self._run_pass(group)
+                await self._run_pass(self.fill(group))
                 ran = True
             if ran:
                 self._wake.set()
