@@ -20,7 +20,7 @@ from openrl.contract import events, payloads
 from openrl.contract.function import ALIVE, READY, Status
 from openrl.contract.topology import SOURCE_SAMPLER
 
-from openrl.observe import metrics
+from openrl.observe import metrics, startup
 
 from openrl.edge import proto
 from openrl.errors import UserError
@@ -112,8 +112,9 @@ class SamplerFunction:
         async with self._engine_lock:
             if key not in self.engines:
                 dtype = resolve_dtype(getattr(entry, "dtype", None), self.device)
-                engine = await asyncio.to_thread(
-                    SamplerEngine, Path(entry.path), device=self.device, dtype=dtype, backend=self.backend)
+                with startup.timed("sampler_engine_start"):  # vLLM: load + torch.compile + CUDA graphs
+                    engine = await asyncio.to_thread(
+                        SamplerEngine, Path(entry.path), device=self.device, dtype=dtype, backend=self.backend)
                 engine.dtype = dtype
                 self.engines[key] = engine
         return self.engines[key]

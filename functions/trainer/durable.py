@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from openrl.observe import startup
 from openrl.contract.records import RunStateInfo
 from openrl.storage import RunState, RunStateConflict, Storage
 
@@ -314,7 +315,8 @@ class RunDurability:
         engine = self.engines[key]
         spec = lora_spec(info.lora_config)
         async with self.engine_lock:
-            await asyncio.to_thread(self._load, engine, model_id, rs.directory, spec)
+            with startup.timed("adapter_restore"):
+                await asyncio.to_thread(self._load, engine, model_id, rs.directory, spec)
         cursor = info.cursor
         self.runs.add(model_id, key, rs.info)
         self.scheduler.reset(model_id, cursor)

@@ -43,6 +43,7 @@ from functions.trainer.optim import AdamConfig, RunOptimizer, step_many
 from openrl.config import Settings
 from openrl.edge.proto import FwdBwdDatum
 from openrl.errors import NotFound, ServerError, UserError
+from openrl.observe import startup
 from openrl.model.lora import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
@@ -150,7 +151,8 @@ class TrainerEngine:
     ):
         from transformers import AutoModelForCausalLM
 
-        base = AutoModelForCausalLM.from_pretrained(str(base_model_dir), dtype=dtype)
+        with startup.timed("trainer_model_load"):
+            base = AutoModelForCausalLM.from_pretrained(str(base_model_dir), dtype=dtype)
         self._setup(base, Path(base_model_dir), device, max_rows, max_tokens, chunk_tokens, fused_kernels)
 
     @classmethod
@@ -173,7 +175,8 @@ class TrainerEngine:
     def _setup(self, base, base_model_dir: Path, device, max_rows: int, max_tokens: int, chunk_tokens: int,
                fused_kernels: bool | None = None) -> None:
         self.base_model_dir = base_model_dir
-        base.to(device).eval()
+        with startup.timed("trainer_to_device"):
+            base.to(device).eval()
         #: dtype of the frozen base weights (adapters and optimizer state are float32)
         self.dtype = next(base.parameters()).dtype
         self.model = MultiLoRAModel(base)
@@ -183,7 +186,8 @@ class TrainerEngine:
         if fused_kernels is None:
             fused_kernels = Settings().fused_kernels
         if self.device.type == "cuda" and fused_kernels:
-            self.kernels = accelerate_model(base)
+            with startup.timed("trainer_kernels"):
+                self.kernels = accelerate_model(base)
         self.max_rows = int(max_rows)
         self.max_tokens = int(max_tokens)
         self.chunk_tokens = int(chunk_tokens)
@@ -279,6 +283,12 @@ class TrainerEngine:
         Returns:
             one :class:`FwdBwdResult` per item, in order.
         """
+        if startup.first("trainer_first_pass"):  # Triton compile / autotune on CUDA: a cold-start phase
+            with startup.timed("trainer_first_pass"):
+                return self._forward_backward(items)
+        return self._forward_backward(items)
+
+    def _forward_backward(self, items: Sequence[FwdBwdItem]) -> list[FwdBwdResult]:
         results = [FwdBwdResult() for _ in items]
         configs: dict[int, dict[str, float]] = {}
         all_rows: list[_Row] = []

@@ -28,6 +28,9 @@ workers
     per forward(_backward) request whose datums carry sampler logprobs (the sampler–trainer
     mismatch, ``functions/trainer/mismatch.py``), ``trainer_sample_train_tokens_total{base_model}``
     the tokens they were measured on,
+    ``startup_seconds{phase}``: seconds per start-up phase of the worker process (process
+    start, model load, kernels / vLLM compile and CUDA graphs, first pass, adapter restore:
+    :mod:`openrl.observe.startup`),
     ``function_info{function,device,dtype,backend}`` (always 1: what the function runs on,
     from its ``describe()``; ``backend`` is ``pending`` until its first model has loaded).
 per API key (label ``owner`` = the owner id the gateway derives from the key, never the key)

@@ -33,7 +33,7 @@ import time
 
 from openrl.config import Settings
 from openrl.contract.function import probe
-from openrl.observe import metrics
+from openrl.observe import metrics, startup
 from openrl.transport.bindings import load_function
 from openrl.transport.bindings.jetstream import JetStreamWorker
 from openrl.contract import topology
@@ -200,9 +200,11 @@ async def serve(module: str, nats_url: str | None, shard: int, cfg: "Settings | 
         stop: an event that ends the worker (tests); None installs signal handlers.
         refresh_s: seconds between worker-record rewrites (default ``cfg.worker_refresh_s``).
     """
+    startup.record("process_to_serve", startup.process_age_s())
     cfg = Settings.of(cfg)
     fn = load_function(module)
-    await fn.start(cfg)
+    with startup.timed("function_start"):
+        await fn.start(cfg)
     ok, reason = probe(fn.ready())
     if not ok:  # a Function that finishes loading later still gets its work (JetStream holds it until then)
         log.warning("%s is not ready after start(): %s", module, reason)
@@ -220,6 +222,7 @@ async def serve(module: str, nats_url: str | None, shard: int, cfg: "Settings | 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
     run = asyncio.create_task(worker.run())
+    startup.record("ready", startup.process_age_s())
     print(f"[{module}] ready", flush=True)
     await stop.wait()
     await worker.stop(drain_s)

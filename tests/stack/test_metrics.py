@@ -101,6 +101,14 @@ def test_metrics_move_when_work_is_done(stack, api_key):
     assert delta(s0, s1, "openrl_sampler_adapter_cache_total", result="hit") >= 1
     assert delta(s0, s1, "openrl_worker_requests_total", function="sampler", op="sample", outcome="ok") >= 2
 
+    # start-up phases (openrl.observe.startup): where a cold start went, per worker process
+    for samples, phases in ((t1, ("process_to_serve", "function_start", "ready", "trainer_model_load",
+                                  "trainer_to_device", "trainer_first_pass")),
+                            (s1, ("process_to_serve", "function_start", "ready", "sampler_engine_start"))):
+        got = {ph: value(samples, "openrl_startup_seconds", phase=ph) for ph in phases}
+        assert all(v > 0 for v in got.values()), got
+        assert got["ready"] >= got["process_to_serve"] + got["function_start"] - 0.5, got
+
     # per-key series carry the owner id, never the key
     for text in (gtext, ttext, stext):
         assert api_key not in text
