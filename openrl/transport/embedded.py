@@ -324,6 +324,26 @@ def _spawner(cmd: list[str], env: dict[str, str], log: Path) -> Callable[[], sub
     return spawn
 
 
+def _log_supervisor(state_dir: Path) -> None:
+    """``openrl serve`` / ``run``: the supervisor's log lines go to ``<state>/logs/supervisor.log``
+    (JSON lines, INFO and up: starts, scale-downs, restarts) and its warnings (a process died,
+    the stack gives up) to stderr as well."""
+    import logging
+
+    from openrl.observe.logs import JsonFormatter
+
+    (state_dir / "logs").mkdir(parents=True, exist_ok=True)
+    lg = logging.getLogger("openrl.supervisor")
+    to_file = logging.FileHandler(state_dir / "logs" / "supervisor.log")
+    to_file.setFormatter(JsonFormatter("supervisor"))
+    to_err = logging.StreamHandler(sys.stderr)
+    to_err.setLevel(logging.WARNING)
+    to_err.setFormatter(logging.Formatter("openrl: %(message)s"))
+    lg.handlers[:] = [to_file, to_err]
+    lg.setLevel(logging.INFO)
+    lg.propagate = False
+
+
 def _stack_from_args(args) -> Stack:
     """The supervised stack of ``openrl serve`` / ``openrl run`` from their parsed flags
     (``--idle-timeout`` unset: ``Settings().idle_timeout``)."""
@@ -348,6 +368,7 @@ def main(args) -> int:
 
     signal.signal(signal.SIGINT, _sig)
     signal.signal(signal.SIGTERM, _sig)
+    _log_supervisor(stack.state_dir)
     stack.start()
     key = api_key(stack.state_dir)
     print(json.dumps({"base_url": stack.base_url, "api_key_file": str(stack.state_dir / "api_key")}))
@@ -367,6 +388,7 @@ def main(args) -> int:
 def run_script(args) -> int:
     """``openrl run SCRIPT [ARGS...]``: start the stack, run the script against it, stop."""
     stack = _stack_from_args(args)
+    _log_supervisor(stack.state_dir)
     stack.start()
     try:
         env = {**os.environ, "TINKER_BASE_URL": stack.base_url, "TINKER_API_KEY": api_key(stack.state_dir),
