@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Run the SDK compatibility subset (tests/stack/test_compat_sdk.py) with an older tinker SDK.
+# Run the SDK compatibility subset (tests/stack/test_compat_sdk.py and test_compat_sdk_matrix.py:
+# every method docs/compatibility.md marks for 0.25.0) with an older tinker SDK.
 #
 #   bash scripts/test-old-sdk.sh [VERSION ...]      (default: 0.25.0, the oldest 0.25.x)
 #
 # For each VERSION: a venv .venv-sdk-VERSION holds only tinker==VERSION + pytest (no openrl,
 # so nothing of the server can depend on the SDK it talks to); the stack is started from the
-# main .venv with `openrl serve` on a free port and a throw-away state dir; the subset runs
+# main .venv with `openrl serve` on a free port and a throw-away state dir, with
+# OPENRL_PROTO_COMPRESS=1 (so the old SDK sends zstd forward_backward bodies); the subset runs
 # with `pytest --noconftest` against it (OPENRL_COMPAT_BASE_URL / OPENRL_COMPAT_API_KEY).
 # Extra pytest arguments go after `--`:  bash scripts/test-old-sdk.sh 0.25.0 -- -x -k rest
 # Set OPENRL_TEST_MODELS to an already-built models dir to skip the model build.
@@ -23,7 +25,7 @@ STATE=$(mktemp -d "${TMPDIR:-/tmp}/openrl-oldsdk.XXXXXX")
 mkdir -p "$STATE"
 if [ -n "${OPENRL_TEST_MODELS:-}" ]; then ln -s "$OPENRL_TEST_MODELS" "$STATE/models"; fi
 PORT=$(.venv/bin/python -c 'from openrl.transport.embedded import free_port; print(free_port())')
-TINKER_TELEMETRY=0 .venv/bin/openrl serve --port "$PORT" --state-dir "$STATE" >"$STATE/serve.log" 2>&1 &
+TINKER_TELEMETRY=0 OPENRL_PROTO_COMPRESS=1 .venv/bin/openrl serve --port "$PORT" --state-dir "$STATE" >"$STATE/serve.log" 2>&1 &
 SERVE=$!
 cleanup() { kill -INT "$SERVE" 2>/dev/null || true; wait "$SERVE" 2>/dev/null || true; rm -rf "$STATE"; }
 trap cleanup EXIT
@@ -44,7 +46,8 @@ for V in "${VERSIONS[@]}"; do
   # (installing it first keeps pip from resolving a CUDA build, as in scripts/install.sh)
   "$VENV/bin/python" -m pip install -q "torch==$TORCH" >/dev/null
   "$VENV/bin/python" -m pip install -q "tinker==$V" "pytest>=8" "pytest-timeout>=2.3" >/dev/null
-  echo "== tests/stack/test_compat_sdk.py with tinker $("$VENV/bin/python" -c 'import tinker; print(tinker.__version__)')"
-  "$VENV/bin/python" -m pytest --noconftest -p no:cacheprovider -q -ra "$ROOT/tests/stack/test_compat_sdk.py" "$@" || rc=$?
+  echo "== tests/stack/test_compat_sdk*.py with tinker $("$VENV/bin/python" -c 'import tinker; print(tinker.__version__)')"
+  "$VENV/bin/python" -m pytest --noconftest -p no:cacheprovider -q -ra --durations=5 \
+    "$ROOT/tests/stack/test_compat_sdk.py" "$ROOT/tests/stack/test_compat_sdk_matrix.py" "$@" || rc=$?
 done
 exit $rc
