@@ -12,7 +12,8 @@
 # Results (<= 8 files): stack.jsonl, stack.md, peft_b8.jsonl, logs1.tgz.
 # DRY=1 bash bench/stack_call1.sh: the same steps on a CPU machine (tiny model, no peft).
 # SETUP=0: skip the wheels, the model and vLLM part A (a machine a first call prepared); COLD=0: skip the
-# start-up measurement; PEFT=0: skip the peft baseline.
+# start-up measurement (COLD_ARGS: more stack_h200.py arguments, e.g. --from-zero 15); PEFT=0: skip the
+# peft baseline.
 cd "$(dirname "$0")/.." && source bench/stack_env.sh
 L=$WORK/logs1; rm -rf "$L"; mkdir -p "$L"
 el start; gpu_info
@@ -32,7 +33,7 @@ if [ "$DRY" != 1 ] && [ "${SETUP:-1}" = 1 ]; then
   el "make_model rc=$?"; tail -2 "$L/make_model.log"; du -sh "$MODEL"
 fi
 if [ "${COLD:-1}" = 1 ]; then
-  stack_bench 300 --sections cold --no-cold-sample > "$L/stack_cold.log" 2>&1; el "stack cold rc=$?"
+  stack_bench 300 --sections cold --no-cold-sample ${COLD_ARGS:-} > "$L/stack_cold.log" 2>&1; el "stack cold rc=$?"
   grep '^{' "$L/stack_cold.log" | grep -v '"what": "env"' | cut -c1-400
   grep -i -E -A3 "Traceback|Error" "$L/stack_cold.log" | head -20
 fi

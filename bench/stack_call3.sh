@@ -8,6 +8,8 @@
 #     stack stopped, the same SamplerEngine called directly (vLLM) with the same adapters and jobs, for the
 #     stack / direct ratio; then `openrl serve` once more on the same state dir (warm vLLM compile cache) ->
 #     first forward_backward -> first sample
+# CALL3_ARGS replaces the stack_h200.py arguments (e.g. --sections rl,cold --rl-runs 1,8 --warmup 1
+# --cold-reuse-main --from-zero 15 --no-direct).
 # Results: stack.jsonl, stack.md, logs3.tgz.
 cd "$(dirname "$0")/.." && source bench/stack_env.sh
 if [ "$DRY" != 1 ] && [ ! -x "$STK/bin/nats-server" ]; then
@@ -22,7 +24,7 @@ el "unpack C rc=$?"; tail -2 "$L/unpack_c.log"
 stack_path vllm
 "$PY" -c "import vllm, vllm._C_stable_libtorch; print('vllm', vllm.__version__, '_C loaded')" 2>&1 | tail -2
 "$PY" -c "import functions.sampler.engine as e, importlib.util as u; print('find_spec vllm:', u.find_spec('vllm') is not None)"
-stack_bench $(( $(left) - 10 )) --sections sample,rl,cold --cold-reuse-main --warmup 1 --breakdown --direct-rows 0 > "$L/stack_sample_rl.log" 2>&1; el "stack sample,rl rc=$?"
+stack_bench $(( $(left) - 10 )) ${CALL3_ARGS:---sections sample,rl,cold --cold-reuse-main --warmup 1 --breakdown --direct-rows 0} > "$L/stack_sample_rl.log" 2>&1; el "stack sample,rl rc=$?"
 grep '^{' "$L/stack_sample_rl.log" | grep -v '"what": "env"' | cut -c1-500
 grep -v -E "^\s+(File|\^)" "$L/stack_sample_rl.log" | grep -i -E -B2 -A8 "Traceback|Error" | head -40
 pack_logs logs3 "$L"; el "call3 done"

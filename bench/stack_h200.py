@@ -128,8 +128,9 @@ class Serve:
 
     live: list["Serve"] = []
 
-    def __init__(self, state: Path, model_dir: Path | None, device: str, tag: str):
+    def __init__(self, state: Path, model_dir: Path | None, device: str, tag: str, idle_timeout: float | None = None):
         self.state, self.model_dir, self.device, self.tag = Path(state), model_dir, device, tag
+        self.idle_timeout = idle_timeout  # OPENRL_IDLE_TIMEOUT (None: the default, 300 s)
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -158,6 +159,8 @@ class Serve:
                 reg.write_text(f'[defaults]\nmax_context_length = 4096\n\n[models."{BASE}"]\n'
                                f'path = "{self.model_dir}"\nbuild = false\n')
                 env["OPENRL_MODEL_REGISTRY"] = str(reg)
+        if self.idle_timeout is not None:
+            env["OPENRL_IDLE_TIMEOUT"] = str(self.idle_timeout)
         if self.device != "auto":
             if "--device" in flags:
                 cmd += ["--device", self.device]
@@ -576,7 +579,7 @@ def s_cold(a) -> None:
     for phase in phases:
         if not enough(a.cold_need_s, f"cold {phase}"):
             return
-        s = Serve(state, a.model, a.device, f"cold_{phase}")
+        s = Serve(state, a.model, a.device, f"cold_{phase}", idle_timeout=a.from_zero or None)
         rec: dict = {"what": "cold", "phase": phase}
         t0 = time.time()
         try:
@@ -586,6 +589,7 @@ def s_cold(a) -> None:
             rec["run_created_s"] = round(time.time() - t0, 2)
             tc.forward_backward([sft_datum(rng, a.tokens)], "cross_entropy").result()
             rec["first_forward_backward_s"] = round(time.time() - t0, 2)
+            sc = None
             if a.cold_sample:
                 from tinker import types
 
@@ -593,11 +597,63 @@ def s_cold(a) -> None:
                 sc.sample(types.ModelInput.from_ints(rand_ids(rng, a.prompt_tokens)), 1,
                           types.SamplingParams(max_tokens=16, stop=[])).result(timeout=tmo(900))
                 rec["first_sample_s"] = round(time.time() - t0, 2)
+            rec["phases"] = startup_phases(s)
+            if a.from_zero and phase == phases[-1] and enough(a.cold_need_s + a.from_zero, "cold from zero"):
+                log(**rec)
+                rec = {"what": "cold", "phase": "from zero"}
+                rec.update(from_zero(s, tc, sc, a, rng))
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         finally:  # also on SIGTERM (SystemExit): stop the stack, keep what was measured
             rec["stop_s"] = round(s.stop(), 2)
             log(**rec)
+
+
+def startup_phases(s: Serve) -> dict:
+    """``openrl_startup_seconds{phase}`` of the trainer and sampler processes now running
+    (``openrl.observe.startup``): ``{"trainer": {phase: s}, "sampler": {...}}``."""
+    out = {}
+    for name in ("trainer", "sampler"):
+        got = {k.split('phase="', 1)[1].split('"', 1)[0]: round(v, 2) for k, v in scrape(s.metrics_url(name)).items()
+               if k.startswith("openrl_startup_seconds{")}
+        if got:
+            out[name] = got
+    return out
+
+
+def supervisor_states(s: Serve) -> dict:
+    """``{process name: state}`` from ``<state>/supervisor.json`` (``openrl status``'s source)."""
+    try:
+        doc = json.loads((s.state / "supervisor.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {p["name"]: p["state"] for p in doc.get("processes", [])}
+
+
+def from_zero(s: Serve, tc, sc, a, rng) -> dict:
+    """Wait until the stack scaled its trainer and sampler to zero (``--idle-timeout``), then time
+    the next forward_backward (trainer start + run restore) and sample (sampler start + adapter)."""
+    from tinker import types
+
+    t = time.time()
+    while time.time() - t < a.from_zero + 90:
+        st = supervisor_states(s)
+        if st and all(v == "scaled to zero" for k, v in st.items() if k.startswith(("trainer", "sampler"))):
+            break
+        time.sleep(0.5)
+    else:
+        return {"error": f"not scaled to zero after {time.time() - t:.0f} s: {supervisor_states(s)}"}
+    rec: dict = {"idle_until_zero_s": round(time.time() - t, 1)}
+    t0 = time.time()
+    tc.forward_backward([sft_datum(rng, a.tokens)], "cross_entropy").result(timeout=tmo(900))
+    rec["first_forward_backward_s"] = round(time.time() - t0, 2)
+    if sc is not None:
+        t1 = time.time()
+        sc.sample(types.ModelInput.from_ints(rand_ids(rng, a.prompt_tokens)), 1,
+                  types.SamplingParams(max_tokens=16, stop=[])).result(timeout=tmo(900))
+        rec["first_sample_s"] = round(time.time() - t1, 2)
+    rec["phases"] = startup_phases(s)
+    return rec
 
 
 def profile_report(d: Path) -> None:
@@ -870,10 +926,18 @@ def summary() -> str:
                   "| start | healthz | first run created | first forward_backward | first sample | stop |",
                   "|---|---:|---:|---:|---:|---:|"]
         for r in cold:
+            if r.get("phase") == "from zero":
+                lines.append(f"| from zero (after {r.get('idle_until_zero_s')} s idle) | - | - | "
+                             f"{r.get('first_forward_backward_s')} s | {r.get('first_sample_s', '-')} s | - |"
+                             + (f" error: {r['error']}" if r.get("error") else ""))
+                continue
             lines.append(f"| {r['phase']} | {r.get('healthy_s')} s | {r.get('run_created_s')} s | "
                          f"{r.get('first_forward_backward_s')} s | "
                          f"{str(r['first_sample_s']) + ' s' if 'first_sample_s' in r else '-'} | {r.get('stop_s')} s |"
                          + (f" error: {r['error']}" if r.get("error") else ""))
+        for r in cold:
+            if r.get("phases"):
+                lines.append(f"\n{r['phase']}: start-up phases (s) {json.dumps(r['phases'])}")
         lines.append("")
     skipped = [r for r in R if r.get("what") in ("skipped", "section_error") or
                (r.get("what") in ("sample_direct", "sample_ratio") and r.get("error"))]
@@ -914,6 +978,9 @@ def main() -> None:
     ap.add_argument("--no-cold-sample", dest="cold_sample", action="store_false", help="cold: trainer only")
     ap.add_argument("--cold-reuse-main", action="store_true",
                     help="cold: one warm start on the main sections' state dir (after sample/rl)")
+    ap.add_argument("--from-zero", type=float, default=0, metavar="IDLE_S",
+                    help="cold: start with --idle-timeout IDLE_S and, after the last start, time the first "
+                         "forward_backward and sample after the workers scaled to zero (0: off)")
     ap.add_argument("--no-direct", dest="direct_cmp", action="store_false", help="sample: skip the direct engine")
     ap.add_argument("--breakdown", action="store_true", help="sample: per-request times from the futures bucket")
     ap.add_argument("--profile-sampler", action="store_true",
