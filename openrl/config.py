@@ -138,6 +138,12 @@ class Settings(BaseSettings):
     api_keys: str | None = Field(None, description="accepted API keys, comma-separated (openrl.edge.auth)")
     api_keys_file: str | None = Field(None, description="file of accepted API keys")
     insecure_any_key: bool = Field(False, description="accept any key (tests only)")
+    quota_runs: str | None = Field(None, description="default per-key quota: concurrent training runs "
+                                   "(0 / unlimited = none; per key in the key entry, openrl.edge.auth)")
+    quota_tokens_per_min: str | None = Field(None, description="default per-key quota: trained + sampled tokens "
+                                             "admitted per 60 s (0 / unlimited = none)")
+    quota_stored_bytes: str | None = Field(None, description="default per-key quota: bytes of live checkpoints, "
+                                           "K/M/G/T suffixes (0 / unlimited = none)")
     sweep_interval_s: float = Field(300.0, ge=0, description="checkpoint TTL sweeps; 0 = off")
 
     # ----- observability ----------------------------------------------------------------

@@ -20,6 +20,7 @@ from openrl.contract.records import FutureMeta
 from openrl.observe import metrics
 
 from openrl.observe import tracing
+from functions.gateway.quotas import SAVE_OPS, TOKEN_OPS, Quotas
 from openrl.transport.bus import Bus, FutureWaiter
 from openrl.errors import NotFound, UserError
 from openrl.model.registry import ModelRegistry
@@ -90,6 +91,7 @@ class Gateway:
     waiter: FutureWaiter | None = None
     keys: object | None = None  # openrl.edge.auth.KeyRing, set by create_app
     rejected: dict[str, int] = field(default_factory=dict)  # stream -> 429s answered (this replica)
+    quotas: Quotas = field(default_factory=Quotas)  # per-key quotas (functions/gateway/quotas.py)
     _depth: dict[str, list] = field(default_factory=dict)  # stream -> [messages, monotonic time read]
     _samplers: dict[str, tuple] = field(default_factory=dict)  # sampler id -> (record, monotonic time read)
     _vocab: dict[str, int] = field(default_factory=dict)
@@ -190,25 +192,57 @@ class Gateway:
                 pass
         return d[0] >= limit
 
-    async def admit(self, stream: str, request_id: str) -> None:
-        """Backpressure check before publishing ``request_id`` on ``stream``.
+    def quota_of(self, owner: str):
+        """The :class:`openrl.edge.auth.Quota` of owner id ``owner`` (unlimited without a key ring)."""
+        from openrl.edge.auth import Quota
+
+        return self.keys.quota_of(owner) if self.keys is not None else Quota()
+
+    async def admit(self, stream: str, request_id: str, *, owner: str | None = None, op: str | None = None,
+                    tokens: int = 0) -> None:
+        """Backpressure and quota checks before publishing ``request_id`` on ``stream``.
 
         A request whose future already exists is a resend (e.g. after an earlier 429 that
         was in fact accepted, or an HTTP retry) and is always admitted, so it gets the same
-        future back.
+        future back (and is not counted against a quota twice).
+
+        Args:
+            owner: the owner id the request is charged to (None: no quota check).
+            op: the operation: a save checks ``stored_bytes``; forward / forward_backward /
+                sample charge ``tokens`` to ``tokens_per_min`` (:mod:`functions.gateway.quotas`).
+            tokens: the request's tokens (see :mod:`functions.gateway.quotas`).
 
         Raises:
             Overloaded: the stream is at its limit (HTTP 429, ``Retry-After: 1``).
+            QuotaExceeded: a quota of the owner's key (HTTP 429, ``Retry-After``, field ``quota.<name>``).
+            UserError: one request over the key's whole ``tokens_per_min``.
         """
         from openrl.errors import Overloaded
 
-        if not await self.over_limit(stream):
+        quota = self.quota_of(owner) if owner else None
+        charge = quota is not None and (
+            (op in TOKEN_OPS and quota.tokens_per_min is not None and tokens > 0)
+            or (op in SAVE_OPS and quota.stored_bytes is not None))
+        if await self.over_limit(stream):
+            if await self.bus.future_get(request_id) is not None:
+                return
+            self.rejected[stream] = self.rejected.get(stream, 0) + 1
+            raise Overloaded(f"{stream} holds {self._depth[stream][0]} unanswered requests "
+                             f"(limit {self._limit_of(stream)}); retry later", retry_after=1.0)
+        if not charge or await self.bus.future_get(request_id) is not None:
             return
-        if await self.bus.future_get(request_id) is not None:
-            return
-        self.rejected[stream] = self.rejected.get(stream, 0) + 1
-        raise Overloaded(f"{stream} holds {self._depth[stream][0]} unanswered requests "
-                         f"(limit {self._limit_of(stream)}); retry later", retry_after=1.0)
+        if op in SAVE_OPS:
+            await self.quotas.check_stored(self.bus, self.storage, owner, quota)
+        else:
+            self.quotas.charge_tokens(owner, quota, tokens)
+
+    async def admit_run(self, owner: str, model_id: str) -> None:
+        """Quota check before creating training run ``model_id`` for ``owner``.
+
+        Raises:
+            QuotaExceeded: the key holds its quota of runs (HTTP 429, ``quota.runs``).
+        """
+        await self.quotas.check_runs(self.bus, owner, self.quota_of(owner), model_id)
 
     # ----- publishing -------------------------------------------------------------
     async def submit(

@@ -91,7 +91,8 @@ async def asample(req: wire.SampleRequest, g: GatewayDep, caller: CallerDep, res
     if mt is None:
         mt = min(s.max_tokens_limit, ctx - len(tokens))
     rid = f"{sid}:{req.seq_id}"
-    await g.admit(SAMPLE_STREAM, rid)
+    await g.admit(SAMPLE_STREAM, rid, owner=rec["owner"], op="sample",
+                  tokens=len(tokens) + req.num_samples * mt)  # tokens_per_min: the most it can use
     data = req.model_dump(mode="json", exclude_none=True)
     data.update(prompt_tokens=tokens, base_model=rec["base_model"], model_path=rec.get("model_path"))
     data.setdefault("sampling_params", {})["max_tokens"] = mt

@@ -31,11 +31,12 @@ router = APIRouter(prefix=API_PREFIX, route_class=SkipRejected)
 FUTURE = wire.UntypedAPIFuture
 
 
-async def enqueue(g: Gateway, run: dict, op: str, seq_id: int, data: dict | bytes) -> dict:
-    """Publish request ``seq_id`` of ``run``: backpressure (429, not skipped: the SDK resends),
-    the pending future, the event. Returns the future handle ``{request_id, model_id}``."""
+async def enqueue(g: Gateway, run: dict, op: str, seq_id: int, data: dict | bytes, tokens: int = 0) -> dict:
+    """Publish request ``seq_id`` of ``run``: backpressure and the key's quotas (429, not skipped:
+    the SDK resends; ``tokens``: the request's, for ``tokens_per_min``), the pending future, the
+    event. Returns the future handle ``{request_id, model_id}``."""
     rid = request_id_for(run["model_id"], seq_id)
-    await g.admit(TRAIN_STREAM, rid)
+    await g.admit(TRAIN_STREAM, rid, owner=run["owner"], op=op, tokens=tokens)
     await g.submit(op, rid, run["model_id"], data, model=run, future_meta={"owner": run["owner"]})
     return {"request_id": rid, "model_id": run["model_id"]}
 
@@ -60,6 +61,7 @@ async def create_model(req: wire.CreateModelRequest, g: GatewayDep, caller: Call
     require(1 <= int(lora.get("rank", 32)) <= 512, "lora_config.rank", "must be between 1 and 512")
     opt = req.optimizer_config.model_dump() if getattr(req, "optimizer_config", None) else {"type": "adamw"}
     check_optimizer(opt)
+    await g.admit_run(caller.owner, f"{req.session_id}:train:{req.model_seq_id}")  # the key's runs quota
     run = await new_run(g, caller.owner, req.session_id, req.model_seq_id, req.base_model, lora,
                         {"optimizer_config": opt, "user_metadata": req.user_metadata or {}})
     data = payloads.CreateModel(model_id=run["model_id"], base_model=run["base_model"], lora_config=lora,
@@ -97,7 +99,8 @@ async def forward_backward(body: ForwardBackwardDep, g: GatewayDep, caller: Call
     refuse_frozen(run)
     base = g.registry.resolve(run["base_model"])
     validate_datums(fb, g.vocab_size(run["base_model"]), base.max_context_length)
-    return await enqueue(g, run, "forward" if fb.forward_only else "forward_backward", fb.seq_id, body.data)
+    return await enqueue(g, run, "forward" if fb.forward_only else "forward_backward", fb.seq_id, body.data,
+                         tokens=sum(len(d.tokens) for d in fb.data))
 
 
 @router.post("/optim_step", response_model=FUTURE)
@@ -168,6 +171,7 @@ async def load_weights(req: wire.LoadWeightsRequest, g: GatewayDep, caller: Call
     lora = manifest.get("lora_config") or {"rank": manifest.get("lora_rank", 32)}
     opt = req.optimizer_config.model_dump() if getattr(req, "optimizer_config", None) else (
         manifest.get("optimizer_config") or {"type": "adamw"})
+    await g.admit_run(caller.owner, f"{req.session_id}:train:{req.model_seq_id}")  # the key's runs quota
     run = await new_run(g, caller.owner, req.session_id, req.model_seq_id, base, lora,
                         {"optimizer_config": opt, "user_metadata": req.user_metadata or {}})
     rid = request_id_for(run["model_id"], 0)

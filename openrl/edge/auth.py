@@ -25,6 +25,19 @@ An entry is ``[admin] [NAME:] KEY``:
 
 A key must start with ``tml-`` (the SDK refuses to send anything else, JWTs aside).
 
+Per-key quotas follow the key as ``NAME=VALUE`` words (:class:`Quota`; the gateway answers 429
+with ``Retry-After`` and ``field: quota.<name>`` when one is exceeded)::
+
+    alice: tml-9a... runs=4 tokens_per_min=200000 stored_bytes=20G
+    bob: tml-77... tokens_per_min=unlimited
+
+``runs``: concurrent training runs (runs of the key whose session is alive); ``tokens_per_min``:
+trained plus sampled tokens admitted in any 60 s window (forward / forward_backward: the
+datums' tokens; sample: prompt + num_samples x max_tokens); ``stored_bytes``: bytes of the
+key's live checkpoints (a save is refused once they reach it; suffixes K, M, G, T = 1024^n).
+A quota a key does not name comes from ``OPENRL_QUOTA_RUNS`` / ``OPENRL_QUOTA_TOKENS_PER_MIN``
+/ ``OPENRL_QUOTA_STORED_BYTES``; 0 or ``unlimited`` means no limit (the default).
+
 Owner ids: every object a caller creates carries ``owner = sha256(key)[:16]`` (hex); another
 key's objects answer 404 and are left out of listings (invariant 6).
 
@@ -88,6 +101,63 @@ def owner_of(key: str | None) -> str:
     return owner_of_digest(digest(key or ""))
 
 
+QUOTA_NAMES = ("runs", "tokens_per_min", "stored_bytes")
+_SIZE_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+@dataclass(frozen=True)
+class Quota:
+    """Per-key limits (None = unlimited).
+
+    runs: concurrent training runs. tokens_per_min: trained + sampled tokens admitted per 60 s.
+    stored_bytes: bytes of live checkpoints (saves are refused at or above it).
+    """
+
+    runs: int | None = None
+    tokens_per_min: int | None = None
+    stored_bytes: int | None = None
+
+
+
+def parse_quota_value(name: str, text: str | int | None, where: str) -> int | None:
+    """A quota value: a non-negative integer (``stored_bytes`` may end in K/M/G/T), ``unlimited``;
+    0 and ``unlimited`` give None (no limit).
+
+    Raises:
+        AuthConfigError: naming ``where`` and the quota.
+    """
+    if text is None:
+        return None
+    t = str(text).strip()
+    if t.lower() in ("", "unlimited", "none"):
+        return None
+    mult = 1
+    if name == "stored_bytes" and t[-1:].upper() in _SIZE_SUFFIX:
+        mult, t = _SIZE_SUFFIX[t[-1].upper()], t[:-1]
+    try:
+        v = int(t) * mult
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise AuthConfigError(f"{where}: quota {name}={text!r} must be a non-negative integer or 'unlimited'")
+    return v or None
+
+
+def default_quota(cfg: Settings | Mapping[str, str] | None = None) -> Quota:
+    """The quota of keys that name none: ``OPENRL_QUOTA_RUNS``, ``OPENRL_QUOTA_TOKENS_PER_MIN``,
+    ``OPENRL_QUOTA_STORED_BYTES`` (0 = unlimited).
+
+    Raises:
+        AuthConfigError: a malformed value.
+    """
+    if cfg is None or isinstance(cfg, Settings):
+        cfg = cfg if cfg is not None else Settings()
+        vals = {n: getattr(cfg, f"quota_{n}") for n in QUOTA_NAMES}
+    else:
+        vals = {n: cfg.get(f"OPENRL_QUOTA_{n.upper()}") for n in QUOTA_NAMES}
+    return Quota(**{n: parse_quota_value(n, v, f"OPENRL_QUOTA_{n.upper()}") for n, v in vals.items()})
+
+
 @dataclass(frozen=True)
 class Caller:
     """The identity behind a request's key.
@@ -95,31 +165,44 @@ class Caller:
     owner: owner id stamped on every object the caller creates.
     admin: may list every owner's objects (``access_scope=all``).
     name: label from the key entry (logs only; may be empty).
+    quota: the key's :class:`Quota`.
     """
 
     owner: str
     admin: bool = False
     name: str = ""
+    quota: Quota = Quota()
 
 
 @dataclass(frozen=True)
 class KeyEntry:
-    """One configured key: its sha256 ``digest`` (32 bytes), ``admin`` flag and ``name`` label."""
+    """One configured key: its sha256 ``digest`` (32 bytes), ``admin`` flag, ``name`` label and the
+    quotas it names (``quota``: name -> value, None = unlimited; absent = the default)."""
 
     digest: bytes
     admin: bool
     name: str
+    quota: tuple[tuple[str, int | None], ...] = ()
 
 
 def parse_entry(text: str, where: str) -> KeyEntry:
-    """Parse one ``[admin] [NAME:] KEY`` entry (KEY may be ``sha256:<64 hex>``).
+    """Parse one ``[admin] [NAME:] KEY [QUOTA=VALUE ...]`` entry (KEY may be ``sha256:<64 hex>``;
+    quotas as :data:`QUOTA_NAMES`, see the module doc).
 
     Raises:
-        AuthConfigError: empty entry, a key not starting with ``tml-``, a bad digest.
+        AuthConfigError: empty entry, a key not starting with ``tml-``, a bad digest, an unknown
+            or malformed quota.
     """
     words = text.split()
     if not words:
         raise AuthConfigError(f"{where}: empty key entry")
+    quota: dict[str, int | None] = {}
+    while len(words) > 1 and "=" in words[-1]:
+        name, _, value = words.pop().partition("=")
+        if name not in QUOTA_NAMES:
+            raise AuthConfigError(f"{where}: unknown quota {name!r} (known: {', '.join(QUOTA_NAMES)})")
+        quota[name] = parse_quota_value(name, value, where)
+    q = tuple(sorted(quota.items()))
     admin = False
     if words[0] == "admin" and len(words) > 1:
         admin, words = True, words[1:]
@@ -140,10 +223,10 @@ def parse_entry(text: str, where: str) -> KeyEntry:
             d = b""
         if len(d) != 32:
             raise AuthConfigError(f"{where}: sha256: needs 64 hex characters")
-        return KeyEntry(d, admin, name)
+        return KeyEntry(d, admin, name, q)
     if not key.startswith(KEY_PREFIX) or len(key) < len(KEY_PREFIX) + 8:
         raise AuthConfigError(f"{where}: a key must start with {KEY_PREFIX!r} and have at least 8 more characters")
-    return KeyEntry(digest(key), admin, name)
+    return KeyEntry(digest(key), admin, name, q)
 
 
 class KeyRing:
@@ -155,10 +238,19 @@ class KeyRing:
         internal_token: shared secret of the ``/events/*`` sinks (None: open sinks).
     """
 
-    def __init__(self, entries: list[KeyEntry], *, allow_any: bool = False, internal_token: str | None = None):
+    def __init__(self, entries: list[KeyEntry], *, allow_any: bool = False, internal_token: str | None = None,
+                 quota: Quota | None = None):
         self.entries = list(entries)
         self.allow_any = allow_any
         self._internal = digest(internal_token) if internal_token else None
+        self.default_quota = quota or Quota()
+        self._quotas = {owner_of_digest(e.digest): Quota(**{**{n: getattr(self.default_quota, n) for n in QUOTA_NAMES},
+                                                            **dict(e.quota)})  # a written quota wins, unlimited too
+                        for e in self.entries}
+
+    def quota_of(self, owner: str) -> Quota:
+        """The :class:`Quota` of owner id ``owner`` (the default for keys accepted by ``allow_any``)."""
+        return self._quotas.get(owner, self.default_quota)
 
     @property
     def has_internal_token(self) -> bool:
@@ -181,9 +273,10 @@ class KeyRing:
             if hmac.compare_digest(d, e.digest):
                 found = e
         if found is not None:
-            return Caller(owner_of_digest(d), found.admin, found.name)
+            owner = owner_of_digest(d)
+            return Caller(owner, found.admin, found.name, self.quota_of(owner))
         if self.allow_any and key.startswith(KEY_PREFIX):
-            return Caller(owner_of_digest(d))
+            return Caller(owner_of_digest(d), quota=self.default_quota)
         raise AuthError(f"invalid API key in the {HEADER} header")
 
     def check_internal(self, token: str | None) -> None:
@@ -204,7 +297,8 @@ def _split_env(value: str) -> list[str]:
 
 def load_keys(env: Mapping[str, str] | Settings | None = None) -> KeyRing:
     """Build the :class:`KeyRing` from ``OPENRL_API_KEYS`` / ``OPENRL_API_KEYS_FILE``,
-    ``OPENRL_INSECURE_ANY_KEY`` and ``OPENRL_INTERNAL_TOKEN``.
+    ``OPENRL_INSECURE_ANY_KEY``, ``OPENRL_INTERNAL_TOKEN`` and the default quotas
+    ``OPENRL_QUOTA_*`` (:func:`default_quota`).
 
     Args:
         env: a :class:`openrl.config.Settings` (its ``api_keys``, ``api_keys_file``,
@@ -245,4 +339,5 @@ def load_keys(env: Mapping[str, str] | Settings | None = None) -> KeyRing:
     if token is None:
         log.warning("OPENRL_INTERNAL_TOKEN is not set: /events/* accept unauthenticated result events; "
                     "route them cluster-locally only")
-    return KeyRing(entries, allow_any=allow_any, internal_token=token)
+    quota = default_quota(env)
+    return KeyRing(entries, allow_any=allow_any, internal_token=token, quota=quota)

@@ -547,6 +547,9 @@ def test_healthy_run_kept_working_and_no_worker_died(ctx):
 OTHER_ROWS = {
     "seq-gap": "tests/stack/test_errors.py::test_seq_gap_timeout_fails_the_waiting_request",
     "queue-full": "tests/stack/test_load.py::test_full_queue_answers_429_with_retry_after",
+    "quota-runs": "tests/stack/test_fair_share.py::test_per_key_quotas_answer_429_with_retry_after",
+    "quota-tokens-per-min": "tests/stack/test_fair_share.py::test_per_key_quotas_answer_429_with_retry_after",
+    "quota-stored-bytes": "tests/stack/test_fair_share.py::test_per_key_quotas_answer_429_with_retry_after",
 }
 
 
