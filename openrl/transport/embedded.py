@@ -365,6 +365,8 @@ def main(args) -> int:
 
     def _sig(*_):
         stop["flag"] = True
+        if stack.supervisor is not None:  # Ctrl-C reached the children too: their exits are no crashes
+            stack.supervisor.halt()
 
     signal.signal(signal.SIGINT, _sig)
     signal.signal(signal.SIGTERM, _sig)
@@ -402,7 +404,9 @@ def run_script(args) -> int:
                     script.wait()
                     return 1
                 time.sleep(0.5)
-        except KeyboardInterrupt:  # Ctrl-C reached the script too (same process group)
+        except KeyboardInterrupt:  # Ctrl-C reached the script and the stack too (same process group)
+            if stack.supervisor is not None:
+                stack.supervisor.halt()
             script.wait()
             raise
         return script.returncode

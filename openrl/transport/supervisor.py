@@ -170,6 +170,11 @@ class Supervisor:
         self._thread.start()
         return self
 
+    def halt(self) -> None:
+        """Stop restarting and scaling at once, without waiting (safe in a signal handler: Ctrl-C
+        reaches the children too, and their exits must not be taken for crashes)."""
+        self._stop.set()
+
     def stop(self) -> None:
         """Stop watching (no more restarts or scaling); the processes are left as they are."""
         self._stop.set()
@@ -196,13 +201,19 @@ class Supervisor:
     async def _main(self) -> None:
         conn: dict = {"nc": None, "js": None}
 
+        async def quiet(exc) -> None:  # nats-server restarting or stopping: no tracebacks on stderr
+            log.debug("supervisor's NATS connection: %s", exc)
+
+        async def quiet_dc() -> None:
+            log.debug("supervisor's NATS connection lost; reconnecting")
+
         async def connect() -> None:  # in the background: restarts never wait for NATS
             import nats
 
             while not self._stop.is_set():
                 try:
                     nc = await nats.connect(self.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                            connect_timeout=5)
+                                            connect_timeout=5, error_cb=quiet, disconnected_cb=quiet_dc)
                     conn["nc"], conn["js"] = nc, nc.jetstream(timeout=2)
                     return
                 except Exception as exc:  # noqa: BLE001 - nats-server (re)starting
@@ -253,6 +264,8 @@ class Supervisor:
             p = self.procs[m.slot]
             code = p.poll() if p is not None else None
             if code is not None and m.state in (RUNNING, STARTING):
+                if self._stop.is_set():
+                    return
                 self._died(m, p, code, now)
             elif code is not None and m.state == STOPPING:
                 m.state = ZERO
@@ -309,6 +322,8 @@ class Supervisor:
                     m.last_exit, delay, m.streak)
 
     async def _spawn(self, m: Managed, *, restart: bool) -> None:
+        if self._stop.is_set():
+            return
         try:
             new = await asyncio.to_thread(m.spawn)
         except Exception as exc:  # noqa: BLE001 - e.g. nats-server's port still taken: try again later
@@ -343,7 +358,8 @@ class Supervisor:
         for m in self.managed:
             p = self.procs[m.slot]
             alive = p is not None and p.poll() is None
-            rows.append({"name": m.name, "state": STOPPED if stopped else m.state, "pid": p.pid if alive else None,
+            rows.append({"name": m.name, "state": STOPPED if stopped else m.state,
+                         "pid": p.pid if alive and not stopped else None,
                          "idle_s": round(now - m.last_busy, 1) if m.consumer else None, "restarts": m.restarts,
                          "last_exit": m.last_exit, "queued": m.queued, "running": m.running})
         return {**self.info, "updated_unix": round(time.time(), 3), "idle_timeout_s": self.idle_timeout_s,
