@@ -6,6 +6,9 @@
 * A JSON body that does not fit its route's :mod:`openrl.edge.wire` model (FastAPI's
   ``RequestValidationError``): 400 naming the first bad field, as
   :func:`openrl.edge.wire.parse_request` names it (an empty body counts as ``{}``).
+* A path, query or header parameter of the wrong type: 400 naming it.
+* FastAPI's own 400 (a body it cannot parse, e.g. bytes that are not UTF-8), 404 (no route)
+  and 405 (no such method): the same shape, naming ``body`` / ``path`` / ``method``.
 * A body the middleware cut off while FastAPI read it (:class:`BodyTooLarge` in a chunked
   body): 413.
 * No route for an ``/api/v1`` path or method (404 / 405): 401 first when the request has no
@@ -15,6 +18,8 @@
 from __future__ import annotations
 
 import json
+import types
+import typing
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -27,6 +32,10 @@ from starlette.exceptions import HTTPException
 from openrl.edge import wire
 from openrl.edge.auth import HEADER, AuthError
 from openrl.errors import OpenRLError, UserError
+
+
+#: FastAPI / Starlette 4xx statuses answered in the JSON shape of docs/errors.md, and the field each names.
+_HTTP_FIELDS = {400: "body", 404: "path", 405: "method"}
 
 
 def error_response(exc: OpenRLError) -> JSONResponse:
@@ -48,6 +57,8 @@ def body_model(request: Request) -> type[pydantic.BaseModel] | None:
     """The :class:`openrl.edge.wire.WireModel` a route takes as its JSON body, if any."""
     field = getattr(request.scope.get("route"), "body_field", None)
     model = getattr(getattr(field, "field_info", None), "annotation", None)
+    if typing.get_origin(model) in (typing.Union, types.UnionType):  # an optional body: ``Model | None``
+        model = next((a for a in typing.get_args(model) if a is not type(None)), None)
     return model if isinstance(model, type) and issubclass(model, wire.WireModel) else None
 
 
@@ -81,6 +92,10 @@ def install(app: FastAPI) -> None:
         model = body_model(request)
         if model is not None and any(tuple(e.get("loc", ()))[:1] == ("body",) for e in exc.errors()):
             return error_response(body_error(model, exc.body))
+        errs = exc.errors()
+        if errs:  # a path, query or header parameter: 400 naming it (not FastAPI's 422 list)
+            loc = [str(p) for p in tuple(errs[0].get("loc", ()))[1:]] or ["request"]
+            return error_response(UserError(".".join(loc), str(errs[0].get("msg", "invalid"))))
         return await request_validation_exception_handler(request, exc)
 
     @app.exception_handler(pydantic.ValidationError)
@@ -100,4 +115,10 @@ def install(app: FastAPI) -> None:
                 request.app.state.gw.keys.check(request.headers.get(HEADER))
             except AuthError as auth:
                 return await _auth_error(request, auth)
+        if 400 <= exc.status_code < 500 and exc.status_code in _HTTP_FIELDS:
+            # FastAPI's own 4xx (a body it could not parse, e.g. bytes that are not UTF-8; no
+            # route; a method the path lacks): the same JSON shape, naming what was wrong
+            err = UserError(_HTTP_FIELDS[exc.status_code], str(exc.detail))
+            err.status = exc.status_code
+            return error_response(err)
         return await http_exception_handler(request, exc)

@@ -12,12 +12,14 @@ with category "server", so the SDK's poll gets an answer instead of hanging.
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from functions.gateway.deps import GatewayDep
+from functions.gateway.errors import error_response
 from functions.gateway.skips import publish_skip
 from openrl.contract import events
 from openrl.contract.topology import SOURCE_GATEWAY
+from openrl.errors import UserError
 from openrl.transport.bindings.deadletter import dead_seq, fail_undelivered, gave_up_message
 from openrl.transport.bindings.results import store_result
 
@@ -34,9 +36,9 @@ async def result(request: Request, g: GatewayDep):
     try:
         ev = await _event(request)
     except Exception as exc:  # noqa: BLE001
-        return JSONResponse({"detail": f"not a CloudEvent: {exc}"}, status_code=400)
+        return error_response(UserError("body", f"not a CloudEvent: {exc}"))
     if ev.get_type() != events.RESULT_TYPE:
-        return JSONResponse({"detail": f"expected type {events.RESULT_TYPE}"}, status_code=400)
+        return error_response(UserError("ce-type", f"expected type {events.RESULT_TYPE}"))
     await store_result(g.bus, ev)
     return Response(status_code=202)
 
@@ -47,7 +49,7 @@ async def dead_letter(request: Request, g: GatewayDep):
     try:
         ev = await _event(request)
     except Exception as exc:  # noqa: BLE001
-        return JSONResponse({"detail": f"not a CloudEvent: {exc}"}, status_code=400)
+        return error_response(UserError("body", f"not a CloudEvent: {exc}"))
     if ev.get_type() == events.RESULT_TYPE:  # a result that could not reach /events/result
         await store_result(g.bus, ev)
         return Response(status_code=202)

@@ -260,7 +260,7 @@ def _session_status(rec: dict) -> dict:
 
 
 @router.post("/sessions/search")
-async def search_sessions(request: Request, g: GatewayDep, caller: CallerDep) -> dict:
+async def search_sessions(g: GatewayDep, caller: CallerDep, req: wire.SessionSearchRequest | None = None) -> dict:
     """``RestClient.search_sessions`` (experimental in the SDK): the caller's sessions, newest
     first, filtered by ``session_id`` / ``display_name`` (either matches), ``project_ids``,
     ``user_metadata`` (every pair) and ``statuses``; ``limit`` + ``cursor`` paging.
@@ -268,11 +268,9 @@ async def search_sessions(request: Request, g: GatewayDep, caller: CallerDep) ->
     Raises:
         NotSupported: ``owner`` other than ``{"type": "own"}`` for a non-admin key.
     """
-    import json as _json
-
     from openrl.errors import NotSupported
 
-    body = _json.loads(await request.body() or b"{}")
+    body = req.model_dump(exclude_none=True) if req is not None else {}  # 400 naming the field if it does not fit
     who = caller.owner
     own = (body.get("owner") or {}).get("type", "own")
     if own != "own" and not caller.admin:

@@ -11,6 +11,7 @@ from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, WireRoute
 from openrl.config import Settings
 from openrl.contract.records import Session
 from openrl.edge import wire
+from openrl.errors import UserError
 from openrl.transport.bus import now_iso
 
 router = APIRouter(prefix=API_PREFIX, route_class=WireRoute)  # behind the API key (functions/gateway/app.py)
@@ -88,7 +89,16 @@ async def finish_session(session_id: str, request: Request, g: GatewayDep, calle
     """Mark a session finished. The body (``{reason: {type}}``, optional) is read leniently:
     any reason type is recorded as sent."""
     rec = await g.session(session_id, caller.owner)
-    body = await request.json() if await request.body() else {}
+    import json
+
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise UserError("body", f"malformed JSON: {exc}") from None
+    reason = body.get("reason") if isinstance(body, dict) else None
+    if not isinstance(body, dict) or not isinstance(reason or {}, dict) \
+            or not isinstance((reason or {}).get("type") or "", str):
+        raise UserError("reason", 'expected {"reason": {"type": "<string>"}} or no body')
     def finish(old):  # compare-and-set, like the heartbeat
         old = dict(old or rec)
         old["status"] = "finished"

@@ -20,6 +20,7 @@ __all__ = [
     "SaveWeightsForSamplerRequest", "SaveWeightsExternalRequest", "LoadWeightsRequest",
     "UnloadModelRequest", "CreateSamplingSessionRequest", "SamplingParams", "SampleRequest",
     "WeightsInfoRequest", "TtlRequest", "CopyWeightsRequest", "SetSessionProjectRequest",
+    "SessionSearchRequest",
 ]
 
 TtlSeconds = Annotated[int, Field(gt=0)]
@@ -400,3 +401,30 @@ class SetSessionProjectRequest(WireModel):
     """PUT ``/sessions/{id}/project``."""
 
     project_id: str
+
+
+class _TypeTag(WireModel):
+    """``{"type": ...}`` of a session search's ``owner`` and ``statuses`` entries."""
+
+    type: str
+
+
+class SessionSearchCursor(WireModel):
+    """A session search's ``cursor``: the previous page's ``next_cursor``, sent back."""
+
+    last_created_at: str = ""
+    last_session_id: str = ""
+
+
+class SessionSearchRequest(WireModel):
+    """``/sessions/search`` (the SDK's ``SessionSearchRequest``; see
+    :func:`functions.gateway.routes_rest.search_sessions`)."""
+
+    session_id: str | None = None
+    display_name: str | None = None
+    project_ids: list[str] | None = None
+    user_metadata: dict[str, Any] | None = None
+    statuses: list[_TypeTag] | None = None
+    owner: _TypeTag | None = None
+    cursor: SessionSearchCursor | None = None
+    limit: int | None = None
