@@ -15,7 +15,9 @@ The signature is ``HMAC-SHA256(secret, "<run>/<kind>/<name>/<file>\\n<expires>")
 The secret is ``$OPENRL_DOWNLOAD_SECRET``, or else a random 32-byte secret created once in the
 metadata KV bucket (key ``config.download_secret``), so every gateway replica signs and checks
 with the same one and none keeps private state. The route lives outside ``/api/v1`` because
-the URLs carry no API key; a bad, expired or tampered signature answers 403.
+the URLs carry no API key; a bad, expired or tampered signature answers 403 (field ``sig``, or
+``expires`` once past it). A URL may be used any number of times until it expires (retries,
+parallel or resumed downloads, as with a cloud signed URL); it is not single-use.
 
 Encrypted exports: ``save_weights_external(..., age_encryption_recipients=[...])`` stores
 only age ciphertext, each file as ``<file>.age`` (:func:`request_age_encryption`, then the
@@ -140,8 +142,8 @@ async def request_age_encryption(g, path: TinkerPath, seq_id: int | None, recipi
     await asyncio.to_thread(g.storage.put_export_request, path, seq_id, recipients)
 
 
-def _forbidden(detail: str) -> JSONResponse:
-    return JSONResponse(status_code=403, content={"detail": detail, "category": "user", "field": "sig"})
+def _forbidden(detail: str, field: str = "sig") -> JSONResponse:
+    return JSONResponse(status_code=403, content={"detail": f"{field}: {detail}", "category": "user", "field": field})
 
 
 @router.get("/download/{run_id}/{kind}/{name}/{file}")
@@ -158,7 +160,8 @@ async def download(run_id: str, kind: str, name: str, file: str, request: Reques
     except UserError as exc:
         return JSONResponse(status_code=404, content={"detail": exc.message, "category": "user", "field": "path"})
     if not sig or expires < time.time():
-        return _forbidden("download URL expired or unsigned; ask get_external_weights_urls for a new one")
+        return _forbidden("download URL expired or unsigned; ask get_external_weights_urls for a new one",
+                          "sig" if not sig else "expires")
     want = signature(await _secret(request), path, file, expires)
     if not hmac.compare_digest(want, sig):
         return _forbidden("bad download URL signature")
@@ -204,7 +207,7 @@ async def download_archive(run_id: str, kind: str, name: str, request: Request, 
     except UserError as exc:
         return JSONResponse(status_code=404, content={"detail": exc.message, "category": "user", "field": "path"})
     if not sig or expires < time.time():
-        return _forbidden("archive URL expired or unsigned; ask for a new one")
+        return _forbidden("archive URL expired or unsigned; ask for a new one", "sig" if not sig else "expires")
     if not hmac.compare_digest(signature(await _secret(request), path, ARCHIVE, expires), sig):
         return _forbidden("bad archive URL signature")
     g = get_gateway(request)
