@@ -462,30 +462,92 @@ def _(c):
     return c.http.post("/asample", json={"sampling_session_id": sid, "prompt": {"chunks": [{"tokens": [1]}]}})
 
 
-def _check(c: Ctx, expect: Expect, fn) -> None:
+@dataclass(frozen=True)
+class Promise:
+    """What a row's "response" column of docs/errors.md promises."""
+
+    status: int | None  # the HTTP status; None for a failed future
+    fields: tuple[str, ...]  # the field named (any one of them); empty when the row names none
+
+
+def doc_promises() -> dict[str, Promise]:
+    """Each row of docs/errors.md's table: ``id -> Promise`` parsed from its response column
+    ("400, field `x`", "404, field `a` / `b`", "failed future, category user, `x`",
+    "401 `AuthenticationError` (...)": a status and no field)."""
+    out = {}
+    for cid, resp in re.findall(r"^\| `([a-z0-9-]+)` \|[^|]*\|[^|]*\| (.*) \|$", DOC.read_text(), flags=re.M):
+        if resp.startswith("failed future"):
+            out[cid] = Promise(None, tuple(re.findall(r"`([^`]+)`", resp)[-1:]))
+            continue
+        status = re.match(r"(\d{3})", resp)
+        named = re.search(r"field ((?:`[^`]+`(?: / )?)+)", resp)
+        out[cid] = Promise(int(status.group(1)) if status else None,
+                           tuple(re.findall(r"`([^`]+)`", named.group(1))) if named else ())
+    return out
+
+
+PROMISES = doc_promises()
+
+
+def _keeps_promise(cid: str, status: int | None, body: dict | None, error: str | None) -> None:
+    """The answer has the status and names the field that docs/errors.md's row promises: the
+    4xx body's ``field`` exactly, or the failed future's error starting with ``<field>:``."""
+    p = PROMISES[cid]
+    assert status == p.status, (cid, status, p)
+    if not p.fields:
+        return
+    if p.status is None:
+        assert error is not None and any(error.startswith(f + ":") for f in p.fields), (cid, error, p)
+    else:
+        assert isinstance(body, dict) and body.get("field") in p.fields and body.get("category") == "user", \
+            (cid, body, p)
+
+
+def _check(c: Ctx, cid: str, expect: Expect, fn) -> None:
     if expect.kind == "sdk":
-        with pytest.raises(expect.status, match=expect.field):
+        with pytest.raises(expect.status, match=expect.field) as ei:
             fn(c)
+        _keeps_promise(cid, ei.value.status_code, ei.value.body, None)
     elif expect.kind == "http":
         r = fn(c)
         assert r.status_code == expect.status, r.text
         body = r.json()
         assert body["detail"] and expect.field in body["field"], body
+        _keeps_promise(cid, r.status_code, body, None)
     else:
         try:
             r = fn(c)
         except tinker.RequestFailedError as exc:
             assert exc.category == "user" and expect.field in str(exc), exc
+            _keeps_promise(cid, None, None, _future_error(exc))
             return
         assert isinstance(r, httpx.Response) and r.status_code == 200, getattr(r, "text", r)
         out = wait_future(c.http, r.json()["request_id"]).json()
         assert out["category"] == "user" and expect.field in out["error"], out
+        _keeps_promise(cid, None, None, out["error"])
+
+
+def _future_error(exc: "tinker.RequestFailedError") -> str:
+    """The ``error`` string of the failed future behind an SDK ``RequestFailedError`` (the SDK
+    words it "Request failed: <error> for self.request_id=...")."""
+    msg = exc.message
+    return msg[len("Request failed: "):].split(" for self.request_id=", 1)[0] if msg.startswith("Request failed: ") else msg
 
 
 @pytest.mark.parametrize("cid", list(CASES))
 def test_bad_input(ctx, cid):
     fn, expect = CASES[cid]
-    _check(ctx, expect, fn)
+    _check(ctx, cid, expect, fn)
+
+
+def test_doc_promises_parse_every_row():
+    """Every case's row promises a status or a failed future, and all but the auth row a field."""
+    assert set(CASES) <= set(PROMISES)
+    assert all(PROMISES[c].fields for c in CASES if c != "unknown-api-key"), \
+        [c for c in CASES if not PROMISES[c].fields]
+    assert PROMISES["token-outside-vocabulary"] == Promise(400, ("data[0].model_input",))
+    assert PROMISES["tinker-path-dotdot"] == Promise(400, ("tinker_path", "path"))
+    assert PROMISES["missing-loss-input"] == Promise(None, ("data[0].loss_fn_inputs.advantages",))
 
 
 # ----- not one request: timeouts, and what must still work afterwards ------------------
