@@ -1,0 +1,450 @@
+"""The trainer engine on N devices of one node: FSDP2 for the frozen base, data parallel over datums.
+
+:class:`DistributedTrainerEngine` is a :class:`~functions.trainer.engine.TrainerEngine` whose
+base model is sharded with PyTorch's own FSDP2 (``torch.distributed.fsdp.fully_shard``) over
+a process group of ``world`` ranks (NCCL on CUDA, one GPU per rank; gloo on CPU, one process
+per rank), and whose packed passes run data parallel over the datums (rows):
+
+* **Sharding.** Every decoder layer (``base.base_model.layers[i]``) is one FSDP unit and the
+  decoder (embeddings, final norm, rotary buffers) the root unit; their frozen weights are
+  sharded ``1/world`` per rank and all-gathered layer by layer around forward and backward.
+  The unembedding (``lm_head``) stays replicated (a tied one is untied into a copy first), as
+  the vocabulary projection is called outside the decoder's forward. The LoRA adapters live in
+  plain dicts of :class:`~openrl.model.lora.MultiLoRALinear` (not registered parameters), so
+  FSDP never sees them: each run's adapter and its AdamW state are **replicated** on every
+  rank, updated by identical ``optim_step`` arithmetic on identical, all-reduced gradients.
+* **Data parallel.** Every rank holds the same requests (rank 0 broadcasts each call) and
+  computes the same plan of packed micro-batches (``TrainerEngine._micro_batches`` with
+  ``max_rows * world`` rows and ``max_tokens * world`` padded tokens); rank ``r`` runs rows
+  ``r, r + world, ...`` of each (length-sorted) micro-batch. A rank with no row runs a dummy
+  one-token row, and a rank without a gradient row in a micro-batch that has one runs a
+  zero-weighted backward, so every rank issues the same FSDP all-gathers in the same order.
+  The decoder's input embeddings are marked ``requires_grad`` (as ``transformers``'
+  ``enable_input_require_grads``), so every layer's backward runs on every rank whatever the
+  runs' LoRA targets. After the pass the new gradients of every run that trained are summed
+  over ranks (one flat ``all_reduce``; the loss is a sum over datums, as on one device) and
+  added to what the run had accumulated. Losses, logprobs, metrics and mismatch inputs go to
+  rank 0 (``gather_object``) and are put back in request order.
+* **Commands.** Rank 0 is the trainer function's own engine; ranks 1..N-1 are processes it
+  spawns (:func:`launch`), each looping in :func:`follower_loop`: rank 0 broadcasts every
+  state-changing call (``create_run``, ``delete_run``, ``forward_backward``, ``optim_step``,
+  ``optim_step_many``, ``zero_grad``, ``load_state``, ``load_state_dict``) over a gloo control
+  group, then all ranks run it. Read-only calls (``state_dict``, ``save_state``,
+  ``sampler_snapshot``, ...) run on rank 0 alone: its adapters are the run's.
+
+Limits (see docs/multi-gpu.md): one distributed engine per process (it uses the default
+process group); no out-of-memory retry (a CUDA OOM on one rank fails the pass on every rank
+only if it surfaces as an exception on all; otherwise the group times out); gradients written
+straight into ``engine.runs[...].optimizer.params`` on rank 0 (``durable``'s restore of
+accumulated gradients) are not copied to the other ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import tempfile
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from functions.trainer import losses
+from functions.trainer.engine import FwdBwdItem, FwdBwdResult, TrainerEngine, _mismatch_inputs, _Row
+from functions.trainer.mismatch import MismatchStats
+from openrl.errors import ServerError, UserError
+from openrl.model.lora import LoraSpec
+from openrl.model.logprobs import DEFAULT_CHUNK_TOKENS, pad_batch, target_logprobs
+
+log = logging.getLogger(__name__)
+
+#: calls rank 0 forwards to the other ranks (each runs ``TrainerEngine.<name>`` locally).
+REPLICATED_CALLS = ("create_run", "delete_run", "forward_backward", "optim_step", "optim_step_many",
+                    "zero_grad", "load_state", "load_state_dict")
+_CLOSE = "__close__"
+
+
+def distributed_available() -> str | None:
+    """None if ``torch.distributed`` with gloo is usable here, else the reason it is not."""
+    if not dist.is_available():
+        return "torch.distributed is not available in this torch build"
+    if not dist.is_gloo_available():
+        return "torch.distributed has no gloo backend in this torch build"
+    return None
+
+
+def shard_base(base: nn.Module, mesh, device: torch.device) -> None:
+    """Freeze ``base`` (a ``transformers`` causal LM) and apply FSDP2 to its decoder.
+
+    Each ``base.base_model.layers[i]`` becomes one ``fully_shard`` unit, then the decoder
+    (``base.base_model``: embeddings, final norm) the root unit; their parameters become
+    ``DTensor`` shards on ``mesh``'s device (``device``, this rank's). The output embedding stays a plain, replicated
+    parameter (cloned first when tied to the input embedding) moved to that device. A forward
+    hook marks the input embeddings' output ``requires_grad`` (see the module docstring).
+
+    Call it before :class:`~openrl.model.lora.MultiLoRAModel` wraps ``base`` (the LoRA
+    surgery keeps each ``nn.Linear`` object, so the FSDP units stay valid).
+
+    Raises:
+        ValueError: the decoder has no ``layers`` list (not a decoder-only HF model).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for p in base.parameters():
+        p.requires_grad_(False)
+    decoder = base.base_model
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ValueError(f"{type(decoder).__name__} has no decoder `layers` to shard")
+    emb, head = base.get_input_embeddings(), base.get_output_embeddings()
+    if head is not None and emb is not None and head.weight is emb.weight:
+        head.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=False)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(decoder, mesh=mesh)
+    if head is not None:
+        head.to(device)
+    emb.register_forward_hook(lambda _m, _i, out: out.requires_grad_(True) if torch.is_grad_enabled() else None)
+
+
+class DistributedTrainerEngine(TrainerEngine):
+    """A :class:`TrainerEngine` sharded over the default process group (module docstring).
+
+    Build one per rank with :meth:`build` (or all at once with :func:`launch`); on rank 0 use
+    it as a ``TrainerEngine``; ranks > 0 run :func:`follower_loop`.
+
+    Attributes:
+        rank, world: this process's rank and the group's size.
+    """
+
+    rank: int
+    world: int
+    _control: Any
+    _followers: list
+
+    @classmethod
+    def build(cls, base_model_dir: Path, *, dtype: torch.dtype = torch.float32, max_rows: int = 64,
+              max_tokens: int = 32768, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+              fused_kernels: bool | None = None, control_group=None) -> "DistributedTrainerEngine":
+        """Load ``base_model_dir`` on CPU, shard it on this rank's device (``cuda:<local
+        rank>`` when the default group is NCCL, else CPU), wrap it as the trainer engine.
+
+        Must be called by every rank of the initialised default process group, together.
+
+        Args:
+            max_rows, max_tokens: per-rank micro-batch limits (as ``TrainerEngine``'s).
+            control_group: the gloo group rank 0 broadcasts calls over (:func:`init_groups`).
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers import AutoModelForCausalLM
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        cuda = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        base = AutoModelForCausalLM.from_pretrained(str(base_model_dir), dtype=dtype)
+        shard_base(base, init_device_mesh(device.type, (world,)), device)
+        self = cls.__new__(cls)
+        self.rank, self.world, self._control, self._followers = rank, world, control_group, []
+        self._setup(base, Path(base_model_dir), device, max_rows, max_tokens, chunk_tokens, fused_kernels)
+        return self
+
+    # ------------------------------------------------------------- commands
+
+    def _send(self, name: str, *args) -> None:
+        if self.rank == 0 and self.world > 1:
+            dist.broadcast_object_list([(name, args)], src=0, group=self._control)
+
+    def create_run(self, model_id: str, spec: LoraSpec) -> None:
+        """As ``TrainerEngine.create_run``; a missing seed is drawn here, so every rank's
+        adapter is initialised the same."""
+        if spec.seed is None:
+            spec = replace(spec, seed=secrets.randbits(63))
+        self._send("create_run", model_id, spec)
+        super().create_run(model_id, spec)
+
+    def delete_run(self, model_id: str) -> None:
+        self._send("delete_run", model_id)
+        super().delete_run(model_id)
+
+    def forward_backward(self, items: Sequence[FwdBwdItem]) -> list[FwdBwdResult]:
+        """As ``TrainerEngine.forward_backward``, data parallel over the ranks; the results
+        are rank 0's (other ranks return placeholders)."""
+        self._send("forward_backward", list(items))
+        return super().forward_backward(items)
+
+    def optim_step(self, model_id, adam):
+        self._send("optim_step", model_id, adam)
+        return super().optim_step(model_id, adam)
+
+    def optim_step_many(self, steps):
+        self._send("optim_step_many", list(steps))
+        return super().optim_step_many(steps)
+
+    def zero_grad(self, model_id: str) -> None:
+        self._send("zero_grad", model_id)
+        super().zero_grad(model_id)
+
+    def load_state(self, model_id, directory, with_optimizer, spec=None) -> None:
+        """As ``TrainerEngine.load_state``; every rank reads ``directory`` (one node: one
+        filesystem)."""
+        self._send("load_state", model_id, str(directory), with_optimizer, spec)
+        super().load_state(model_id, directory, with_optimizer, spec)
+
+    def load_state_dict(self, model_id, state, with_optimizer) -> None:
+        self._send("load_state_dict", model_id, state, with_optimizer)
+        super().load_state_dict(model_id, state, with_optimizer)
+
+    def close(self) -> None:
+        """Rank 0: stop the followers, wait for their processes, leave the process group."""
+        if self.rank == 0 and self.world > 1:
+            self._send(_CLOSE)
+        for p in self._followers:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+        self._followers = []
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ passes
+
+    def _global_micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
+        per_rank = self.max_rows, self.max_tokens
+        self.max_rows, self.max_tokens = per_rank[0] * self.world, per_rank[1] * self.world
+        try:
+            return self._micro_batches(rows)
+        finally:
+            self.max_rows, self.max_tokens = per_rank
+
+    def _forward_backward(self, items: Sequence[FwdBwdItem]) -> list[FwdBwdResult]:
+        results = [FwdBwdResult() for _ in items]
+        configs: dict[int, dict[str, float]] = {}
+        all_rows: list[_Row] = []
+        for i, item in enumerate(items):  # deterministic: every rank finds the same errors
+            try:
+                rows, configs[i] = self._prepare(i, item)
+            except UserError as e:
+                results[i].error = e
+                continue
+            all_rows.extend(rows)
+        valid = [i for i in range(len(items)) if results[i].error is None]
+        if not all_rows:
+            return results
+        grad_runs = sorted({items[r.item].model_id for r in all_rows if r.grad})
+        params = [p for m in grad_runs for p in self.runs[m].optimizer.params]
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        done: list[tuple] = []  # (item, datum, outputs, loss, metrics, mismatch inputs) of this rank's rows
+        error = None
+        for mb in self._global_micro_batches(all_rows):
+            needs_grad = any(r.grad for r in mb)
+            mine = mb[self.rank :: self.world]
+            try:
+                self._run_slice(mine, needs_grad, items, configs, done)
+            except FloatingPointError as e:
+                error = error or f"{type(e).__name__}: {e}"
+        flat = self._reduce_grads(params, failed=error is not None)
+        gathered: list | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object((done, error), gathered, dst=0)
+        if flat is None:  # some rank failed: restore every run's gradients, fail every valid item
+            for p, g in zip(params, before):
+                p.grad = g
+            msg = "; ".join(e for _, e in (gathered or []) if e) or "failed on another rank"
+            err = ServerError(f"forward_backward pass failed: {msg}")
+            for i in valid:
+                results[i] = FwdBwdResult(error=err)
+            return results
+        for p, g in zip(params, before):
+            if g is not None:
+                p.grad = g + p.grad
+        if self.rank != 0:
+            return results
+        rows = sorted((row for rank_rows, _ in gathered for row in rank_rows), key=lambda x: (x[0], x[1]))
+        for i in valid:
+            results[i].loss_fn_outputs = [{} for _ in items[i].datums]
+            results[i].metrics = {"loss:sum": 0.0}
+        mismatch = {i: MismatchStats() for i in valid}
+        for i, j, outputs, loss, metrics, sampled in rows:
+            results[i].loss_fn_outputs[j] = outputs
+            results[i].metrics["loss:sum"] += loss
+            losses.merge_metrics(results[i].metrics, metrics)
+            if sampled is not None:
+                mismatch[i].add(*sampled)
+        for i in valid:
+            if not mismatch[i].empty:
+                results[i].metrics.update(mismatch[i].metrics())
+                results[i].mismatch = mismatch[i]
+        return results
+
+    def _reduce_grads(self, params: list[nn.Parameter], failed: bool) -> torch.Tensor | None:
+        """Sum this pass's gradients of ``params`` over the ranks (one flat all_reduce, with a
+        failure count appended); None when any rank failed (grads then left unreduced)."""
+        device = self.device
+        parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
+        flat = torch.cat(parts + [torch.tensor([float(failed)], device=device)])
+        dist.all_reduce(flat)
+        if float(flat[-1]) > 0:
+            return None
+        off = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[off : off + n].view_as(p).to(p.dtype).clone()
+            off += n
+        return flat
+
+    def _run_slice(self, mb: list[_Row], needs_grad: bool, items: Sequence[FwdBwdItem],
+                   configs: dict[int, dict[str, float]], done: list[tuple]) -> None:
+        """Forward (and backward when ``needs_grad``, the same on every rank) of this rank's
+        rows of one micro-batch; appends each row's results to ``done``.
+
+        Raises:
+            FloatingPointError: a row's loss is not finite (after the backward, so the ranks
+                stay in step; that row's loss is left out of it).
+        """
+        first_seen: dict[str, int] = {}
+        for r in mb:
+            first_seen.setdefault(items[r.item].model_id, len(first_seen))
+        mb = sorted(mb, key=lambda r: first_seen[items[r.item].model_id])
+        row_adapters: list[str | None] = [items[r.item].model_id for r in mb]
+        grad_adapters = {a for a, r in zip(row_adapters, mb) if r.grad}
+        no_grad_adapters = sorted(set(row_adapters) - grad_adapters)
+        if mb:
+            ids, mask = pad_batch([r.tokens.tolist() for r in mb], self.pad_id, side="right")
+        else:  # no row here: one dummy token keeps this rank's collectives in step
+            ids, mask = pad_batch([[self.pad_id]], self.pad_id, side="right")
+            row_adapters = [None]
+        T, K = ids.shape[1], max([r.k for r in mb] + [1])
+        tgt = torch.zeros((ids.shape[0], T, K), dtype=torch.long)
+        for b, r in enumerate(mb):
+            tt = r.inputs["target_tokens"].cpu()
+            if tt.dim() == 1:
+                tgt[b, : r.n, 0] = tt
+            else:
+                tgt[b, : r.n, : tt.shape[1]] = tt
+        bad = None
+        with torch.set_grad_enabled(needs_grad):
+            lp = target_logprobs(self.model, ids, tgt, mask, row_adapters,
+                                 no_grad_adapters=no_grad_adapters, chunk_tokens=self.chunk_tokens)
+            total = lp.sum() * 0.0 if needs_grad else None  # every rank runs the backward
+            for b, r in enumerate(mb):
+                item = items[r.item]
+                row_lp = lp[b, : r.n, 0] if r.inputs["target_tokens"].dim() == 1 else lp[b, : r.n, : r.k]
+                if not r.grad:
+                    row_lp = row_lp.detach()
+                loss, outputs, metrics = losses.compute_loss(item.loss_fn, row_lp, r.inputs, configs[r.item])
+                if not torch.isfinite(loss.detach()):
+                    bad = bad or f"non-finite loss for {item.model_id} datum {r.datum}"
+                    continue
+                sampled = _mismatch_inputs(r)
+                done.append((r.item, r.datum, {k: v.detach().to("cpu", torch.float32).numpy() for k, v in outputs.items()},
+                             float(loss.detach()), metrics,
+                             None if sampled is None else (row_lp.detach().cpu(), *(t.cpu() for t in sampled))))
+                if r.grad:
+                    total = total + loss
+            if needs_grad:
+                total.backward()
+        if bad:
+            raise FloatingPointError(bad)
+
+
+# ---------------------------------------------------------------------- launching
+
+
+def init_groups(rank: int, world: int, init_method: str, backend: str = "gloo",
+                timeout_s: float = 1800.0):
+    """Join the default process group (``backend``) and make the gloo control group rank 0
+    broadcasts calls over (it waits idle between requests, so its timeout is long).
+
+    Returns:
+        the control group.
+    """
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    return dist.new_group(backend="gloo", timeout=timedelta(days=365))
+
+
+def follower_loop(engine: DistributedTrainerEngine) -> None:
+    """Ranks > 0: run every call rank 0 broadcasts until it closes the group. A call that
+    raises here raised on rank 0 too (same inputs, same checks); it is logged and skipped."""
+    while True:
+        box: list = [None]
+        dist.broadcast_object_list(box, src=0, group=engine._control)
+        name, args = box[0]
+        if name == _CLOSE:
+            break
+        try:
+            getattr(TrainerEngine, name)(engine, *args)
+        except Exception as e:  # noqa: BLE001 - rank 0 reports it
+            log.debug("rank %d: %s failed: %s", engine.rank, name, e)
+    dist.destroy_process_group()
+
+
+def _follower_main(rank: int, world: int, init_method: str, backend: str, timeout_s: float,
+                   base_model_dir: str, kwargs: dict) -> None:
+    torch.set_num_threads(max(1, int(kwargs.pop("threads", 1))))
+    control = init_groups(rank, world, init_method, backend, timeout_s)
+    engine = DistributedTrainerEngine.build(Path(base_model_dir), control_group=control, **kwargs)
+    follower_loop(engine)
+
+
+def launch(base_model_dir: Path, world: int, *, backend: str | None = None, timeout_s: float = 1800.0,
+           threads: int | None = None, **engine_kwargs) -> DistributedTrainerEngine:
+    """Start a ``world``-rank trainer engine: this process becomes rank 0 (the returned
+    engine), ``world - 1`` spawned processes the others (:func:`follower_loop`).
+
+    Args:
+        base_model_dir: the Hugging Face model directory every rank loads.
+        world: ranks (GPUs with NCCL, processes with gloo), >= 1.
+        backend: "nccl" or "gloo"; None: NCCL when CUDA has ``world`` devices, else gloo.
+        timeout_s: collective timeout of the data-plane group (a hung rank surfaces as an
+            error after this long).
+        threads: torch CPU threads per follower (None: this process's count).
+        engine_kwargs: ``dtype``, ``max_rows``, ``max_tokens``, ``chunk_tokens``,
+            ``fused_kernels`` (as :meth:`DistributedTrainerEngine.build`).
+
+    Raises:
+        ValueError: ``world`` < 1, or NCCL asked for with fewer CUDA devices than ``world``.
+        RuntimeError: a process group is already initialised in this process.
+    """
+    import torch.multiprocessing as mp
+
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group already exists in this process")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        raise ValueError(f"{world} ranks asked for, {torch.cuda.device_count()} CUDA devices present")
+    fd, store = tempfile.mkstemp(prefix="openrl-trainer-pg-")
+    os.close(fd)
+    os.unlink(store)  # the file store creates it
+    init_method = f"file://{store}"
+    ctx = mp.get_context("spawn")
+    kw = dict(engine_kwargs, threads=threads or torch.get_num_threads())
+    followers = [ctx.Process(target=_follower_main, daemon=True,
+                             args=(r, world, init_method, backend, timeout_s, str(base_model_dir), dict(kw)))
+                 for r in range(1, world)]
+    for p in followers:
+        p.start()
+    try:
+        control = init_groups(0, world, init_method, backend, timeout_s)
+        engine = DistributedTrainerEngine.build(Path(base_model_dir), control_group=control, **engine_kwargs)
+    except BaseException:
+        for p in followers:
+            p.kill()
+        raise
+    engine._followers = followers
+    return engine
+
+
+__all__ = ["DistributedTrainerEngine", "REPLICATED_CALLS", "distributed_available", "follower_loop",
+           "init_groups", "launch", "shard_base"]
