@@ -96,6 +96,11 @@ class Settings(BaseSettings):
     flush_interval_s: float = Field(120.0, ge=0, description="periodic run-state flush interval; 0 = off")
     restore_wait_s: float = Field(10.0, ge=0, description="how long a restore waits for a fresher flush")
     fused_kernels: bool = Field(True, description="the trainer's fused LoRA kernels on CUDA (0 = off)")
+    trainer_gpus: int = Field(
+        1, ge=1, validation_alias=_env("OPENRL_TRAINER_GPUS", "OPENRL_TRAINER_PROCS"),
+        description="ranks of one trainer engine (GPUs of this node on CUDA, processes on CPU; "
+                    "OPENRL_TRAINER_PROCS is the same): > 1 shards the base with FSDP2 and runs passes "
+                    "data parallel (functions/trainer/distributed.py, docs/multi-gpu.md)")
 
     # ----- sampler ----------------------------------------------------------------------
     sampler_backend: str = Field("auto", description="auto | hf | vllm (auto: vLLM on CUDA when installed)")

@@ -30,13 +30,14 @@ per rank), and whose packed passes run data parallel over the datums (rows):
   state-changing call (``create_run``, ``delete_run``, ``forward_backward``, ``optim_step``,
   ``optim_step_many``, ``zero_grad``, ``load_state``, ``load_state_dict``) over a gloo control
   group, then all ranks run it. Read-only calls (``state_dict``, ``save_state``,
-  ``sampler_snapshot``, ...) run on rank 0 alone: its adapters are the run's.
+  ``sampler_snapshot``, ...) run on rank 0 alone: its adapters are the run's. An optimizer
+  step first broadcasts rank 0's gradients of its runs, so gradients written on rank 0 alone
+  (``functions.trainer.durable`` restoring a run's unstepped gradients) are the ones stepped.
 
 Limits (see docs/multi-gpu.md): one distributed engine per process (it uses the default
-process group); no out-of-memory retry (a CUDA OOM on one rank fails the pass on every rank
-only if it surfaces as an exception on all; otherwise the group times out); gradients written
-straight into ``engine.runs[...].optimizer.params`` on rank 0 (``durable``'s restore of
-accumulated gradients) are not copied to the other ranks.
+process group); no out-of-memory retry: an exception other than a non-finite loss on one rank
+(a CUDA OOM) leaves the others waiting in a collective until the group's timeout, after
+which the engine must be rebuilt.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from openrl.model.logprobs import DEFAULT_CHUNK_TOKENS, pad_batch, target_logpro
 
 log = logging.getLogger(__name__)
 
-#: calls rank 0 forwards to the other ranks (each runs ``TrainerEngine.<name>`` locally).
+#: calls rank 0 forwards to the other ranks (each runs the same method locally).
 REPLICATED_CALLS = ("create_run", "delete_run", "forward_backward", "optim_step", "optim_step_many",
                     "zero_grad", "load_state", "load_state_dict")
 _CLOSE = "__close__"
@@ -156,6 +157,8 @@ class DistributedTrainerEngine(TrainerEngine):
     # ------------------------------------------------------------- commands
 
     def _send(self, name: str, *args) -> None:
+        """Rank 0: broadcast the call to the followers (which run the same method, where this
+        is a no-op)."""
         if self.rank == 0 and self.world > 1:
             dist.broadcast_object_list([(name, args)], src=0, group=self._control)
 
@@ -178,12 +181,35 @@ class DistributedTrainerEngine(TrainerEngine):
         return super().forward_backward(items)
 
     def optim_step(self, model_id, adam):
+        """As ``TrainerEngine.optim_step``, on rank 0's gradients (:meth:`_sync_grads`)."""
         self._send("optim_step", model_id, adam)
+        self._sync_grads([model_id])
         return super().optim_step(model_id, adam)
 
     def optim_step_many(self, steps):
-        self._send("optim_step_many", list(steps))
+        """As ``TrainerEngine.optim_step_many``, on rank 0's gradients (:meth:`_sync_grads`)."""
+        steps = list(steps)
+        self._send("optim_step_many", steps)
+        self._sync_grads([m for m, _ in steps])
         return super().optim_step_many(steps)
+
+    def _sync_grads(self, model_ids: Sequence[str]) -> None:
+        """Give every rank rank 0's accumulated gradients of these runs (one flat broadcast;
+        unknown runs skipped). After a pass they are equal anyway; this makes gradients put on
+        rank 0 alone (``durable``'s restore of a run's unstepped gradients) count on all ranks."""
+        if self.world == 1:
+            return
+        params = [p for m in dict.fromkeys(model_ids) if m in self.runs for p in self.runs[m].optimizer.params]
+        if not params:
+            return
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                          for p in params])
+        dist.broadcast(flat, src=0)
+        off = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[off : off + n].view_as(p).to(p.dtype).clone()
+            off += n
 
     def zero_grad(self, model_id: str) -> None:
         self._send("zero_grad", model_id)
@@ -381,7 +407,7 @@ def follower_loop(engine: DistributedTrainerEngine) -> None:
         if name == _CLOSE:
             break
         try:
-            getattr(TrainerEngine, name)(engine, *args)
+            getattr(engine, name)(*args)
         except Exception as e:  # noqa: BLE001 - rank 0 reports it
             log.debug("rank %d: %s failed: %s", engine.rank, name, e)
     dist.destroy_process_group()

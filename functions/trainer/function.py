@@ -76,7 +76,8 @@ class TrainerFunction:
                 process may allocate, for a GPU shared with a sampler; None = all),
                 ``pack_max_delay_s`` (see :class:`PackPolicy`), ``seq_gap_timeout_s``,
                 ``max_seq_ahead`` (seq_ids more than this past a run's next one fail with
-                category "user"), ``preload``, ``flush_interval_s``, ``restore_wait_s``.
+                category "user"), ``preload``, ``flush_interval_s``, ``restore_wait_s``, ``trainer_gpus`` (> 1: each
+                base model's engine spans that many ranks, :func:`functions.trainer.distributed.launch`).
 
         Raises:
             ValueError: a setting out of range (pydantic.ValidationError), an unknown device, or
@@ -94,6 +95,7 @@ class TrainerFunction:
         self.registry = registry or ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
         self.device = resolve_device(cfg.device)
         self.fused_kernels = cfg.fused_kernels
+        self.trainer_gpus = cfg.trainer_gpus  # > 1: FSDP2 engine over that many ranks (functions/trainer/distributed.py)
         self._limit_gpu_memory(cfg.trainer_gpu_memory)
         self.scheduler = Scheduler(
             self._run_packed, self._run_single, self.runs.group_of,
@@ -127,6 +129,9 @@ class TrainerFunction:
             await self.scheduler.stop()
         await self.durable.wait_idle()  # creates / restores / unloads already under way
         await self.durable.flush_all(final=True)
+        for engine in self.engines.values():
+            if hasattr(engine, "close"):  # a DistributedTrainerEngine: stop its follower ranks
+                await asyncio.to_thread(engine.close)
         if self.stability is not None:
             await self.stability.close()
 
@@ -181,8 +186,15 @@ class TrainerFunction:
         with self._engine_load_lock:
             if key not in self.engines:
                 dtype = resolve_dtype(getattr(entry, "dtype", None), self.device)
-                self.engines[key] = TrainerEngine(Path(entry.path), device=self.device, dtype=dtype,
-                                                   fused_kernels=self.fused_kernels)
+                if getattr(self, "trainer_gpus", 1) > 1:
+                    from functions.trainer.distributed import launch
+
+                    self.engines[key] = launch(Path(entry.path), self.trainer_gpus, dtype=dtype,
+                                               backend="nccl" if self.device.startswith("cuda") else "gloo",
+                                               fused_kernels=self.fused_kernels)
+                else:
+                    self.engines[key] = TrainerEngine(Path(entry.path), device=self.device, dtype=dtype,
+                                                       fused_kernels=self.fused_kernels)
         return key
 
     def _engine(self, model_id: str):

@@ -29,6 +29,34 @@ SPECS = {"a": LoraSpec(rank=4, seed=1), "b": LoraSpec(rank=2, seed=3, alpha=8, t
 LIMITS = dict(max_rows=2, max_tokens=30)  # per rank; the 33-token row runs alone
 
 
+async def test_trainer_function_launches_its_ranks(micro_model_dir, tmp_path):
+    """``trainer_gpus=2`` (OPENRL_TRAINER_GPUS): the trainer function's engine of a base model
+    is a 2-rank DistributedTrainerEngine whose follower it spawned; stop() ends it. (Runs
+    before the module's engines: one process group per process.)"""
+    import asyncio
+
+    import torch.distributed
+
+    from functions.trainer.function import TrainerFunction
+    from openrl.model.registry import ModelRegistry
+
+    reg = ModelRegistry.from_dict({"models": {"micro": {"path": str(micro_model_dir)}}}, models_dir=tmp_path)
+    f = TrainerFunction()
+    await f.start({"registry_obj": reg, "storage_url": (tmp_path / "store").as_uri(), "device": "cpu",
+                   "trainer_gpus": 2, "flush_interval_s": 0, "preload": []})
+    try:
+        key = await asyncio.to_thread(f._engine_for, "micro")
+        engine = f.engines[key]
+        assert isinstance(engine, DistributedTrainerEngine) and engine.world == 2 and engine.rank == 0
+        followers = list(engine._followers)
+        assert len(followers) == 1 and followers[0].is_alive()
+    finally:
+        await f.stop()
+    assert not torch.distributed.is_initialized()
+    followers[0].join(timeout=30)
+    assert followers[0].exitcode == 0
+
+
 @pytest.fixture(scope="module")
 def engines(micro_model_dir):
     """(one-process engine, 2-rank engine), same runs and perturbed adapters (B != 0)."""
@@ -109,6 +137,10 @@ def test_two_ranks_equal_one_process(engines):
     items2 = _items(np.random.RandomState(6))
     _assert_same(dist.forward_backward(items2), ref.forward_backward(items2))
 
+    # gradients put on rank 0 alone (durable's restore does this) are the ones stepped
+    for e in (ref, dist):
+        for p in e.runs["b"].optimizer.params:
+            p.grad = p.grad * 2.0
     steps = [("a", {"learning_rate": 1e-2, "grad_clip_norm": 1.0}), ("b", {"learning_rate": 3e-3, "weight_decay": 0.1})]
     ma, mb_ = dist.optim_step_many(steps), ref.optim_step_many(steps)
     for x, y in zip(ma, mb_):
