@@ -10,6 +10,7 @@ Subcommands::
                  [--idle-timeout SECONDS]
     openrl run [--model NAME=DIR ...] [--idle-timeout SECONDS] SCRIPT [-- ARGS]
     openrl status [--base-url URL] [--api-key KEY] [--json]
+    openrl status --cluster [--kubeconfig PATH] [--context C] [--namespace NS] [--nats-url URL] [--json]
     openrl runs list [--limit N] / openrl checkpoints list RUN
 
 ``--state-dir DIR`` (default ``$OPENRL_HOME`` or ``~/.openrl``) is accepted before or after

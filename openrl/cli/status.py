@@ -18,6 +18,9 @@ answers instead of tables). Runs and checkpoints are those of the API key.
 ``<state>/supervisor.json`` names) also shows that stack's processes, from that file
 (:mod:`openrl.transport.supervisor`): state (running / starting / stopping / scaled to zero /
 restarting), pid, idle seconds, restarts and the last exit.
+
+``openrl status --cluster`` asks the Kubernetes API and NATS instead of a gateway
+(:mod:`openrl.cli.cluster`).
 """
 
 from __future__ import annotations
@@ -163,7 +166,12 @@ def supervisor_state(state_dir: Path, base_url: str) -> dict | None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """``openrl status``: workers and queues (``/api/v1/status``), the key's runs and sessions."""
+    """``openrl status``: workers and queues (``/api/v1/status``), the key's runs and sessions;
+    with ``--cluster``, the Knative Services and NATS streams instead (:mod:`openrl.cli.cluster`)."""
+    if getattr(args, "cluster", False):
+        from openrl.cli.cluster import cmd_cluster_status
+
+        return cmd_cluster_status(args)
     c = _client(args)
     status = c.get("/api/v1/status")
     runs = c.get("/api/v1/training_runs", limit=args.limit, offset=0)
@@ -256,6 +264,9 @@ def configure(sub, common: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("status", parents=[common, conn], help="workers, queues, runs and sessions of a gateway")
     p.add_argument("--limit", type=int, default=5, help="training runs shown (default 5)")
+    from openrl.cli.cluster import add_flags
+
+    add_flags(p)
     p.set_defaults(func=_guard(cmd_status))
 
     r = sub.add_parser("runs", parents=[common], help="training runs of your API key")

@@ -1,0 +1,304 @@
+"""``openrl status --cluster``: the Knative deployment seen through the Kubernetes API, plus
+the NATS JetStream work still queued, so a platform engineer watches a sweep scale up and
+back to zero.
+
+What it reads (``kubernetes`` Python client, ``CustomObjectsApi``; read-only, ``list`` on
+these resources in the namespace is all the RBAC it needs):
+
+| resource | fields |
+|---|---|
+| ``serving.knative.dev/v1`` ``services`` | ``status.latestReadyRevisionName``, ``status.latestCreatedRevisionName``, the ``Ready`` condition, ``status.url``, ``status.traffic`` |
+| ``serving.knative.dev/v1`` ``revisions`` | label ``serving.knative.dev/service``, ``status.desiredReplicas``, ``status.actualReplicas``, the ``Ready`` condition |
+| ``autoscaling.internal.knative.dev/v1alpha1`` ``podautoscalers`` (optional: skipped when the API answers 403/404) | ``status.desiredScale``, ``status.actualScale``: the autoscaler's numbers, used where the revision's are missing |
+
+A Service's *desired* / *actual* scale is the sum over its revisions (an idle Service at zero
+shows 0 / 0; a sweep in flight shows its replicas).
+
+NATS (``--nats-url``, default ``$OPENRL_NATS_URL``; on a cluster, port-forward the NATS
+service first): every JetStream stream except KV buckets (``KV_*``) and object stores
+(``OBJ_*``) with each durable consumer's ``queued`` (``num_pending``: not yet delivered) and
+``in flight`` (``num_ack_pending``: delivered, not yet acknowledged). These are the
+embedded stack's work queues (:data:`openrl.contract.topology.STREAMS`, listed first; marked
+``missing`` when absent) and, on a cluster, the Broker's NatsJetStreamChannel stream with one
+consumer per Trigger.
+
+Kubernetes credentials: ``--kubeconfig PATH`` (and ``--context NAME``), else the in-cluster
+service account when running inside a pod (``$KUBERNETES_SERVICE_HOST``), else
+``$KUBECONFIG`` / ``~/.kube/config``. ``--namespace`` defaults to ``openrl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+KNATIVE_GROUP, KNATIVE_VERSION = "serving.knative.dev", "v1"
+PA_GROUP, PA_VERSION = "autoscaling.internal.knative.dev", "v1alpha1"
+SERVICE_LABEL = "serving.knative.dev/service"
+DEFAULT_NAMESPACE = "openrl"
+NATS_TIMEOUT_S = 5.0
+
+
+class ClusterError(Exception):
+    """The cluster or NATS could not be read (the message is for the user)."""
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """Add ``--cluster``, ``--kubeconfig``, ``--context``, ``--namespace`` and ``--nats-url`` to
+    ``openrl status``'s parser (imports nothing heavy)."""
+    g = p.add_argument_group("cluster (--cluster: Knative Services and NATS streams instead of the gateway)")
+    g.add_argument("--cluster", action="store_true",
+                   help="list the Knative Services (latest ready revision, desired / actual scale) through the "
+                        "Kubernetes API and the NATS streams' pending work")
+    g.add_argument("--kubeconfig", default=None, metavar="PATH",
+                   help="kubeconfig file (default: in-cluster config inside a pod, else $KUBECONFIG / ~/.kube/config)")
+    g.add_argument("--context", default=None, help="kubeconfig context (default: its current-context)")
+    g.add_argument("--namespace", default=DEFAULT_NAMESPACE, help=f"namespace (default {DEFAULT_NAMESPACE})")
+    g.add_argument("--nats-url", default=None, metavar="URL",
+                   help="NATS server for the streams' pending work (default $OPENRL_NATS_URL; none: no NATS table)")
+
+
+# -- Kubernetes -------------------------------------------------------------------------------
+
+
+def api_client(kubeconfig: str | None = None, context: str | None = None):
+    """A ``kubernetes.client.ApiClient``: from ``kubeconfig`` (+ ``context``) when given, else
+    the in-cluster service account inside a pod, else the default kubeconfig.
+
+    Raises:
+        ClusterError: the ``kubernetes`` package is missing, or no usable configuration.
+    """
+    try:
+        from kubernetes import client, config
+    except ImportError:
+        raise ClusterError("the kubernetes package is missing: pip install 'openrl[cluster]'") from None
+    try:
+        if kubeconfig is None and context is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+            config.load_incluster_config()
+            return client.ApiClient()
+        return config.new_client_from_config(config_file=kubeconfig, context=context)
+    except (config.ConfigException, OSError, ValueError) as exc:
+        where = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        raise ClusterError(f"--kubeconfig {where}: {exc}") from exc
+
+
+def _list(api, group: str, version: str, namespace: str, plural: str, *, optional: bool = False) -> list[dict]:
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    try:
+        out = api.list_namespaced_custom_object(group, version, namespace, plural, _request_timeout=15)
+    except ApiException as exc:
+        if optional and exc.status in (403, 404):
+            return []
+        raise ClusterError(f"list {plural}.{group}/{version} in namespace {namespace}: HTTP {exc.status} "
+                           f"{exc.reason}: {(exc.body or '')[:200]}") from exc
+    except HTTPError as exc:
+        host = api.api_client.configuration.host
+        raise ClusterError(f"cannot reach the Kubernetes API at {host}: {exc}") from exc
+    return list(out.get("items") or [])
+
+
+def _ready(obj: dict) -> tuple[str, str | None]:
+    """The ``Ready`` condition: (``"True"`` / ``"False"`` / ``"Unknown"``, reason or message)."""
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Ready":
+            return str(c.get("status", "Unknown")), c.get("reason") or c.get("message")
+    return "Unknown", None
+
+
+def _sum(values) -> int | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def summarize(services: list[dict], revisions: list[dict], autoscalers: list[dict]) -> list[dict]:
+    """Join Knative Services, Revisions and PodAutoscalers (the raw API objects) into one row
+    per Service with its revisions.
+
+    Returns:
+        ``[{"name", "ready", "reason", "url", "latest_ready_revision", "latest_created_revision",
+        "desired", "actual", "revisions": [{"name", "ready", "reason", "desired", "actual",
+        "traffic_percent"}]}]``, sorted by name; ``desired`` / ``actual`` are replica counts
+        (None where neither the revision nor its PodAutoscaler reports one).
+    """
+    pas = {(p.get("metadata") or {}).get("name"): p.get("status") or {} for p in autoscalers}
+    by_service: dict[str, list[dict]] = {}
+    for r in revisions:
+        meta = r.get("metadata") or {}
+        st = r.get("status") or {}
+        pa = pas.get(meta.get("name"), {})
+        ready, reason = _ready(r)
+        desired = st.get("desiredReplicas", pa.get("desiredScale"))
+        actual = st.get("actualReplicas", pa.get("actualScale"))
+        by_service.setdefault((meta.get("labels") or {}).get(SERVICE_LABEL), []).append(
+            {"name": meta.get("name"), "ready": ready, "reason": reason, "desired": desired, "actual": actual,
+             "created": meta.get("creationTimestamp")})
+    rows = []
+    for s in services:
+        name = (s.get("metadata") or {}).get("name")
+        st = s.get("status") or {}
+        traffic = {}
+        for t in st.get("traffic") or []:
+            if t.get("revisionName"):
+                traffic[t["revisionName"]] = traffic.get(t["revisionName"], 0) + int(t.get("percent") or 0)
+        revs = sorted(by_service.get(name, []), key=lambda r: (r["created"] or "", r["name"] or ""))
+        for r in revs:
+            del r["created"]
+            r["traffic_percent"] = traffic.get(r["name"])
+        ready, reason = _ready(s)
+        rows.append({"name": name, "ready": ready, "reason": reason, "url": st.get("url"),
+                     "latest_ready_revision": st.get("latestReadyRevisionName"),
+                     "latest_created_revision": st.get("latestCreatedRevisionName"),
+                     "desired": _sum(r["desired"] for r in revs), "actual": _sum(r["actual"] for r in revs),
+                     "revisions": revs})
+    return sorted(rows, key=lambda r: r["name"] or "")
+
+
+def knative_status(api_client_, namespace: str) -> list[dict]:
+    """List the namespace's Knative Services, Revisions and PodAutoscalers and :func:`summarize` them.
+
+    Raises:
+        ClusterError: the API is unreachable or refuses (the HTTP status and reason are in the message).
+    """
+    from kubernetes import client
+
+    api = client.CustomObjectsApi(api_client_)
+    services = _list(api, KNATIVE_GROUP, KNATIVE_VERSION, namespace, "services")
+    revisions = _list(api, KNATIVE_GROUP, KNATIVE_VERSION, namespace, "revisions")
+    autoscalers = _list(api, PA_GROUP, PA_VERSION, namespace, "podautoscalers", optional=True)
+    return summarize(services, revisions, autoscalers)
+
+
+# -- NATS -------------------------------------------------------------------------------------
+
+
+async def _quiet(exc: Exception) -> None:
+    """nats-py's error callback: the failure is raised to the caller instead of logged."""
+
+
+async def nats_pending(url: str, timeout_s: float = NATS_TIMEOUT_S) -> list[dict]:
+    """The JetStream work streams at ``url`` and their consumers' pending work.
+
+    Returns:
+        ``[{"stream", "subjects", "messages", "bytes", "missing", "consumers": [{"name",
+        "queued", "in_flight", "redelivered", "waiting"}]}]``: the topology's streams first
+        (``missing: True`` when the server has no such stream), then the others by name.
+
+    Raises:
+        ClusterError: no NATS server at ``url`` or JetStream is not enabled.
+    """
+    import nats
+    from nats.errors import Error as NatsError
+
+    from openrl.contract.topology import STREAMS
+
+    try:
+        # max_reconnect_attempts=0 would retry the first connect for ever (nats-py 2.x): 1 gives up
+        # after two attempts
+        nc = await asyncio.wait_for(
+            nats.connect(url, connect_timeout=timeout_s, allow_reconnect=False, max_reconnect_attempts=1,
+                         reconnect_time_wait=0.2, error_cb=_quiet), 3 * timeout_s)
+    except (NatsError, OSError, asyncio.TimeoutError) as exc:
+        raise ClusterError(f"cannot reach NATS at {url}: {exc!r}") from exc
+    try:
+        js = nc.jetstream(timeout=timeout_s)
+        infos, offset = [], 0
+        while True:  # streams_info answers one page at a time
+            page = await js.streams_info(offset)
+            infos += page
+            offset += len(page)
+            if not page:
+                break
+        found = {}
+        for si in infos:
+            name = si.config.name
+            if name.startswith(("KV_", "OBJ_")):
+                continue
+            consumers = [{"name": ci.name, "queued": ci.num_pending or 0, "in_flight": ci.num_ack_pending or 0,
+                          "redelivered": ci.num_redelivered or 0, "waiting": ci.num_waiting or 0}
+                         for ci in await js.consumers_info(name)]
+            found[name] = {"stream": name, "subjects": list(si.config.subjects or []), "messages": si.state.messages,
+                           "bytes": si.state.bytes, "missing": False,
+                           "consumers": sorted(consumers, key=lambda c: c["name"])}
+    except (NatsError, asyncio.TimeoutError) as exc:
+        raise ClusterError(f"NATS at {url}: JetStream stream info failed: {exc!r}") from exc
+    finally:
+        await nc.close()
+    ours = [found.pop(s, None) or {"stream": s, "subjects": subj, "messages": None, "bytes": None, "missing": True,
+                                    "consumers": []} for s, subj in STREAMS.items()]
+    return ours + [found[k] for k in sorted(found)]
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+def collect(args: argparse.Namespace) -> dict:
+    """Everything ``openrl status --cluster`` shows, as one JSON-able dict:
+    ``{"namespace", "kubernetes_api", "services": summarize(...), "nats_url", "streams"}``
+    (``streams`` is None without a NATS URL).
+
+    Raises:
+        ClusterError: see :func:`api_client`, :func:`knative_status`, :func:`nats_pending`.
+    """
+    api = api_client(args.kubeconfig, args.context)
+    try:
+        services = knative_status(api, args.namespace)
+        host = api.configuration.host
+    finally:
+        api.close()
+    nats_url = args.nats_url or os.environ.get("OPENRL_NATS_URL")
+    streams = asyncio.run(nats_pending(nats_url)) if nats_url else None
+    return {"namespace": args.namespace, "kubernetes_api": host, "services": services,
+            "nats_url": nats_url, "streams": streams}
+
+
+def render(doc: dict, console) -> None:
+    """Print :func:`collect`'s dict as rich tables on ``console``."""
+    from openrl.cli.status import _table
+
+    services = doc["services"]
+    running = sum(s["actual"] or 0 for s in services)
+    console.print(f"[bold]openrl[/bold] on {doc['kubernetes_api']}, namespace {doc['namespace']}: "
+                  f"{len(services)} Knative Services, {running} replicas running")
+    console.print(_table("Knative Services", ["service", "ready", "latest ready revision", "desired", "actual", "url"],
+                         [[s["name"], s["ready"] if s["ready"] == "True" or not s["reason"] else f"{s['ready']} ({s['reason']})",
+                           s["latest_ready_revision"], s["desired"], s["actual"], s["url"]] for s in services],
+                         fold=("service",)))
+    console.print(_table("Revisions", ["revision", "service", "ready", "desired", "actual", "traffic %"],
+                         [[r["name"], s["name"], r["ready"], r["desired"], r["actual"], r["traffic_percent"]]
+                          for s in services for r in s["revisions"]], fold=("revision",)))
+    if doc["streams"] is None:
+        console.print("NATS: not shown (pass --nats-url or set OPENRL_NATS_URL)")
+        return
+    rows = []
+    for st in doc["streams"]:
+        if st["missing"]:
+            rows.append([st["stream"], "(no such stream)", None, None, None])
+        for c in st["consumers"] or ([] if st["missing"] else [{"name": None}]):
+            rows.append([st["stream"], c["name"], c.get("queued", st["messages"]), c.get("in_flight"),
+                         c.get("redelivered")])
+    console.print(_table(f"NATS streams at {doc['nats_url']} (pending work per consumer)",
+                         ["stream", "consumer", "queued", "in flight", "redelivered"], rows))
+
+
+def cmd_cluster_status(args: argparse.Namespace) -> int:
+    """``openrl status --cluster``: Knative Services and NATS pending work (tables, or ``--json``).
+
+    Returns 1 (message on stderr) when the cluster or NATS cannot be read.
+    """
+    try:
+        doc = collect(args)
+    except ClusterError as exc:
+        print(f"openrl status --cluster: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    from openrl.cli.status import _console
+
+    render(doc, _console())
+    return 0
