@@ -133,7 +133,7 @@ def test_optuna_sweep_interrupted_and_resumed(stack, api_key, tmp_path):
     table = (out / "leaderboard.txt").read_text()
     assert all(i in table for i in exps)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["experiments"] == len(exps) and summary["by_status"].get("interrupted") == len(interrupted)
+    assert summary["experiments"] == len(exps) and summary["by_status"].get("interrupted", 0) == len(interrupted)
 
 
 def test_optuna_prunes_below_threshold(stack, api_key, tmp_path):
