@@ -203,7 +203,7 @@ def test_jetstream_worker_describes_itself(tmp_path, nats_url, monkeypatch):
             buf = StringIO()
             monkeypatch.setattr(cli_status, "_console", lambda: Console(file=buf, width=250, emoji=False,
                                                                           highlight=False))
-            args = argparse.Namespace(json=False, limit=5)
+            args = argparse.Namespace(json=False, limit=5, state_dir=tmp_path)  # no supervisor.json there
             assert cli_status.cmd_status(args) == 0
             table = buf.getvalue()
             for word in ("device", "dtype", "backend", "float32", "torch", "vllm"):
