@@ -123,6 +123,9 @@ class Settings(BaseSettings):
     ack_wait_s: float = Field(30.0, gt=0, description="JetStream ack wait of the work consumers")
     futures_ttl_s: float = Field(7 * 86400.0, ge=0, description="lifetime of a future in the KV bucket")
     worker_refresh_s: float = Field(30.0, gt=0, description="seconds between worker-record rewrites")
+    colocated_sampler: bool = Field(False, description="the trainer shares this machine and its cache dir with the "
+                                    "sampler (the embedded stack): gs:// snapshots it saves stay in the cache, so "
+                                    "the sampler reads them locally instead of downloading them back")
     idle_timeout: float = Field(300.0, ge=0, description="embedded stack (openrl serve / run): seconds a worker's "
                                 "queue stays empty before it is stopped (scale to zero); 0 = keep it up")
     host: str = Field("0.0.0.0", description="HTTP binding's listen address")

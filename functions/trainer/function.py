@@ -91,7 +91,8 @@ class TrainerFunction:
         cfg = Settings.of(cfg)
         configure_torch_threads(cfg.torch_threads)
         self.nats_url = cfg.nats_url  # the stability store's (stable_reinforce), opened on first use
-        self.storage = open_storage(cfg.storage_url)
+        # a co-located sampler (the embedded stack) reads gs:// snapshots from the shared cache
+        self.storage = open_storage(cfg.storage_url, cache_dir=cfg.cache_dir, write_through=cfg.colocated_sampler)
         self.registry = registry or ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
         self.device = resolve_device(cfg.device)
         self.fused_kernels = cfg.fused_kernels

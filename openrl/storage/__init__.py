@@ -55,8 +55,11 @@ from openrl.storage.local import FileStorage
 from openrl.storage.sweeper import sweep_expired, ExpirySweeper  # noqa: F401
 
 
-def open_storage(url: str, *, cache_dir: Path | None = None) -> Storage:
+def open_storage(url: str, *, cache_dir: Path | None = None, write_through: bool = False) -> Storage:
     """Open a store by URL: ``file:///abs/dir`` or ``gs://bucket/prefix``.
+
+    ``cache_dir`` / ``write_through``: see :class:`openrl.storage.gcs.GCSStorage` (``gs://`` only:
+    ``file://`` storage is already local and is read in place).
 
     Raises:
         ValueError: an unsupported scheme.
@@ -67,7 +70,7 @@ def open_storage(url: str, *, cache_dir: Path | None = None) -> Storage:
     if u.scheme == "gs":
         from openrl.storage.gcs import GCSStorage
 
-        return GCSStorage(u.netloc, u.path.lstrip("/"), cache_dir=cache_dir)
+        return GCSStorage(u.netloc, u.path.lstrip("/"), cache_dir=cache_dir, write_through=write_through)
     if u.scheme == "" and url:
         return FileStorage(Path(url))
     raise ValueError(f"unsupported storage URL {url!r}: use file:///dir or gs://bucket/prefix")

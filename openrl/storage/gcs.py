@@ -90,12 +90,17 @@ class GCSStorage(Storage):
         cache_dir: local directory for verified downloads; default
             ``$TMPDIR/openrl-gcs-cache/<bucket>/<prefix>``.
         client: a ``google.cloud.storage.Client`` to use instead of :func:`make_client`.
+        write_through: keep the sampler snapshots :meth:`put_dir` uploads as this machine's verified cached copy
+            (hard links from :meth:`scratch_dir`, same file system), so a sampler on the same
+            machine sharing ``cache_dir`` reads the snapshot from the page cache instead of
+            downloading it back (the embedded stack's trainer: ``Settings.colocated_sampler``).
     """
 
     #: resumable upload chunk (a multiple of 256 KiB): bounds the memory of one upload.
     CHUNK_SIZE = 8 << 20
 
-    def __init__(self, bucket: str, prefix: str = "", cache_dir: Path | None = None, *, client: Any = None):
+    def __init__(self, bucket: str, prefix: str = "", cache_dir: Path | None = None, *, client: Any = None,
+                 write_through: bool = False):
         if not bucket:
             raise ValueError("gs:// storage needs a bucket: gs://bucket/prefix")
         self.bucket_name = bucket
@@ -106,6 +111,7 @@ class GCSStorage(Storage):
         if cache_dir is None:
             cache_dir = Path(tempfile.gettempdir()) / "openrl-gcs-cache" / bucket / (self.prefix or "_")
         self.cache_dir = Path(cache_dir)
+        self.write_through = bool(write_through)
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         # cache dir -> (files of its manifest, stat of its files) last verified by sha256 in
@@ -190,7 +196,41 @@ class GCSStorage(Storage):
         files = {f.name: f for f in Path(local_dir).iterdir() if f.is_file() and f.name != MANIFEST}
         out = self._create(path, manifest, sorted(files), lambda name, obj: self._upload_file(obj, files[name]))
         self._forget_export_request(sealed)
+        if self.write_through and path.kind == "sampler_weights":  # what a sampler reads next
+            self._keep_local(path, files, manifest)
         return out
+
+    def scratch_dir(self) -> Path | None:
+        """With ``write_through``: ``<cache_dir>/.scratch``, so the files a writer stages there
+        become the cached copy by hard link (no byte copy); else the system temp dir."""
+        if not self.write_through:
+            return None
+        d = self.cache_dir / ".scratch"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def _keep_local(self, path: TinkerPath, files: dict[str, Path], manifest: dict) -> None:
+        """Install the just-uploaded ``files`` (name -> local file) and ``manifest`` as the verified
+        cached copy of ``path`` (hard links where the file system allows, else copies). Best
+        effort: a failure is logged and the next reader downloads as usual."""
+        dest = self.cache_dir / path.key
+        tmp = None
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".tmp-{dest.name}-"))
+            for name, src in files.items():
+                try:
+                    os.link(src, tmp / name)
+                except OSError:
+                    shutil.copyfile(src, tmp / name)
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            with self._lock(path.key):
+                self._install(tmp, dest, manifest)
+        except (OSError, ServerError):
+            log.warning("could not keep a local copy of %s; readers here will download it", path, exc_info=True)
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
 
     def _put_internal(self, key: str, data: bytes) -> None:
         self.bucket.blob(self._obj(key)).upload_from_string(data, content_type="application/json")

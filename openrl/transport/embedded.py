@@ -169,6 +169,8 @@ class Stack:
             "OPENRL_NATS_URL": self.nats_url,
             "OPENRL_STORAGE": self.storage,
             "TINKER_TELEMETRY": "0",
+            # one machine: the trainer's gs:// saves stay in the cache the sampler reads
+            "OPENRL_COLOCATED_SAMPLER": "1",
             **self.extra_env,
         }
         if self.device:
