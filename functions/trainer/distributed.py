@@ -273,8 +273,11 @@ class DistributedTrainerEngine(TrainerEngine):
             mine = mb[self.rank :: self.world]
             try:
                 self._run_slice(mine, needs_grad, items, configs, done)
-            except FloatingPointError as e:
+            except FloatingPointError as e:  # raised after the backward: the ranks are in step, go on
                 error = error or f"{type(e).__name__}: {e}"
+            except Exception as e:  # noqa: BLE001 - same inputs on every rank: they all fail here alike
+                error = error or f"{type(e).__name__}: {e}"
+                break
         flat = self._reduce_grads(params, failed=error is not None)
         gathered: list | None = [None] * self.world if self.rank == 0 else None
         dist.gather_object((done, error), gathered, dst=0)
@@ -406,6 +409,9 @@ def follower_loop(engine: DistributedTrainerEngine) -> None:
         name, args = box[0]
         if name == _CLOSE:
             break
+        if name not in REPLICATED_CALLS:
+            log.error("rank %d: unknown call %r from rank 0 (ignored)", engine.rank, name)
+            continue
         try:
             getattr(engine, name)(*args)
         except Exception as e:  # noqa: BLE001 - rank 0 reports it
