@@ -103,14 +103,20 @@ def shard_base(base: nn.Module, mesh, device: torch.device) -> None:
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise ValueError(f"{type(decoder).__name__} has no decoder `layers` to shard")
     emb, head = base.get_input_embeddings(), base.get_output_embeddings()
-    if head is not None and emb is not None and head.weight is emb.weight:
-        head.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=False)
+    _untie(base)
     for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(decoder, mesh=mesh)
-    if head is not None:
+    if head is not None and not head.weight.is_meta:  # a meta model is moved by to_empty later
         head.to(device)
     emb.register_forward_hook(lambda _m, _i, out: out.requires_grad_(True) if torch.is_grad_enabled() else None)
+
+
+def _untie(base: nn.Module) -> None:
+    """Give a tied output embedding its own (frozen) copy of the input embedding's weight."""
+    emb, head = base.get_input_embeddings(), base.get_output_embeddings()
+    if head is not None and emb is not None and head.weight is emb.weight:
+        head.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=False)
 
 
 class DistributedTrainerEngine(TrainerEngine):
@@ -132,8 +138,11 @@ class DistributedTrainerEngine(TrainerEngine):
     def build(cls, base_model_dir: Path, *, dtype: torch.dtype = torch.float32, max_rows: int = 64,
               max_tokens: int = 32768, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
               fused_kernels: bool | None = None, control_group=None) -> "DistributedTrainerEngine":
-        """Load ``base_model_dir`` on CPU, shard it on this rank's device (``cuda:<local
-        rank>`` when the default group is NCCL, else CPU), wrap it as the trainer engine.
+        """Load ``base_model_dir``, shard it on this rank's device (``cuda:<local rank>`` when
+        the default group is NCCL, else CPU), wrap it as the trainer engine. Only rank 0 reads
+        the checkpoint (on CPU); the other ranks build the model on the meta device and get
+        their shards (``set_model_state_dict(..., broadcast_from_rank0=True)``) and the
+        buffers from rank 0.
 
         Must be called by every rank of the initialised default process group, together.
 
@@ -141,14 +150,30 @@ class DistributedTrainerEngine(TrainerEngine):
             max_rows, max_tokens: per-rank micro-batch limits (as ``TrainerEngine``'s).
             control_group: the gloo group rank 0 broadcasts calls over (:func:`init_groups`).
         """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.device_mesh import init_device_mesh
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         rank, world = dist.get_rank(), dist.get_world_size()
         cuda = dist.get_backend() == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        base = AutoModelForCausalLM.from_pretrained(str(base_model_dir), dtype=dtype)
+        # only rank 0 reads the checkpoint (host memory: one copy of the model, not one per rank);
+        # the others build it on the meta device and receive their shards from rank 0
+        if rank == 0:
+            base = AutoModelForCausalLM.from_pretrained(str(base_model_dir), dtype=dtype)
+            _untie(base)
+            full = dict(base.state_dict())
+        else:
+            with torch.device("meta"):
+                base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(base_model_dir)), dtype=dtype)
+            full = {}
         shard_base(base, init_device_mesh(device.type, (world,)), device)
+        if rank != 0:
+            base.to_empty(device=device)
+        set_model_state_dict(base, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        del full
+        for buf in base.buffers():  # non-persistent ones (rotary inv_freq) are in no state dict
+            dist.broadcast(buf, src=0)
         self = cls.__new__(cls)
         self.rank, self.world, self._control, self._followers = rank, world, control_group, []
         self._setup(base, Path(base_model_dir), device, max_rows, max_tokens, chunk_tokens, fused_kernels)
