@@ -21,7 +21,8 @@ last flush, so the run's next requests fail with category ``"server"`` (a reques
 lettered after ``max_deliver`` deliveries fails the same way). Such a run is never continued
 on the server's word: the client takes its last ``save_state`` checkpoint
 (``create_training_client_from_state_with_optimizer``; before the first one, a new run with
-the same seed) and replays the steps after it. So "no step lost or applied twice" is checked
+the same seed; that create / load is retried 5 s apart while it fails with "server") and replays
+the steps after it. So "no step lost or applied twice" is checked
 as: each run's final adapter equals a fault-free twin that ran the same steps once, within
 1e-6 (a lost step or a step applied twice moves the weights far more than that). Any other
 failure category, or an exception that is not a failed future, counts as a defect.
@@ -186,9 +187,19 @@ class Driver(threading.Thread):
 
         svc = tinker.ServiceClient(base_url=self.stack.base_url, api_key=self.stack.api_key)
 
+        def retried(make, what: str):
+            """A client-making call, retried (5 s apart, 6 tries) while it fails with category
+            "server" (the failure says "retry it": e.g. dead-lettered while the trainer restarts)."""
+            for attempt in range(6):
+                got = self._answer(make(), what)
+                if not isinstance(got, Exception):
+                    return got
+                time.sleep(5.0)
+            raise RuntimeError(f"run {self.idx}: {what} failed 6 times: {got}")
+
         def fresh():
-            return self._answer(svc.create_lora_training_client(base_model=BASE_MODEL, rank=RANK,
-                                                                seed=seed_of(self.idx)), "create")
+            return retried(lambda: svc.create_lora_training_client(base_model=BASE_MODEL, rank=RANK,
+                                                                   seed=seed_of(self.idx)), "create")
 
         tc = fresh()
         ckpt: tuple[int, str] | None = None
@@ -219,10 +230,8 @@ class Driver(threading.Thread):
                 if ckpt is None:
                     tc, i = fresh(), 0
                 else:
-                    tc = self._answer(svc.create_training_client_from_state_with_optimizer(ckpt[1]), "load")
+                    tc = retried(lambda: svc.create_training_client_from_state_with_optimizer(ckpt[1]), "load")
                     i = ckpt[0]
-                if isinstance(tc, Exception):
-                    raise RuntimeError(f"run {self.idx}: its recovery failed: {tc}")
         self.steps = i
         self.weights = final_weights(self.stack, tc, f"final-{self.idx}", self._answer)
 
