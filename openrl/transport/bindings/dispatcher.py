@@ -3,8 +3,11 @@
 It consumes a JetStream work stream and POSTs each request CloudEvent (binary mode) to a
 function's HTTP receiver, exactly as Knative's NATS JetStream channel dispatcher does;
 the reply (a result CloudEvent) is POSTed to the gateway's ``/events/result`` sink.
-Failed deliveries (connection errors, 5xx) are retried with exponential backoff up to
-``retries`` times; after that the event goes to the dead-letter subject
+Failed deliveries (5xx, a connection cut mid-request) are retried with exponential backoff up
+to ``retries`` times. A receiver that does not accept the connection at all (its process is
+restarting or starting: the embedded stack's supervisor backs off up to 30 s) is waited for up
+to ``unreachable_s`` (120 s) without using up retries, as Knative's activator holds a request
+while a revision comes up. After that the event goes to the dead-letter subject
 ``openrl.deadletter.<op>`` and to the gateway's ``/events/dead-letter`` sink, which
 fails the future with category "server".
 
@@ -39,6 +42,8 @@ class Dispatcher:
         reply_to: the URL result events are POSTed to.
         dead_letter: the URL undeliverable requests are POSTed to.
         retries: delivery attempts after the first; backoff ``backoff_s · 2^n`` seconds.
+        unreachable_s: seconds to keep retrying (every ``backoff_s`` doubling up to 2 s, not
+            counted in ``retries``) while the receiver refuses connections.
         timeout_s: HTTP timeout of one delivery (a training step can be long).
         internal_token: shared secret sent (``X-OpenRL-Internal-Token``) to the gateway's
             ``/events/*`` sinks; default ``Settings().internal_token`` (``$OPENRL_INTERNAL_TOKEN``).
@@ -46,10 +51,11 @@ class Dispatcher:
 
     def __init__(self, bus: Bus, *, stream: str, durable: str, filter_subject: str, target: str, reply_to: str,
                  dead_letter: str, retries: int = 5, backoff_s: float = 0.2, timeout_s: float = 600.0,
+                 unreachable_s: float = 120.0,
                  concurrency: int = 256, internal_token: str | None = None):
         self.bus, self.stream, self.durable, self.filter_subject = bus, stream, durable, filter_subject
         self.target, self.reply_to, self.dead_letter = target, reply_to, dead_letter
-        self.retries, self.backoff_s = retries, backoff_s
+        self.retries, self.backoff_s, self.unreachable_s = retries, backoff_s, unreachable_s
         self.internal_token = internal_token if internal_token is not None else Settings().internal_token
         self.client = httpx.AsyncClient(timeout=timeout_s)
         self.sem = asyncio.Semaphore(concurrency)
@@ -80,16 +86,8 @@ class Dispatcher:
         try:
             headers = dict(msg.headers or {})
             headers.pop("Nats-Msg-Id", None)
-            for attempt in range(self.retries + 1):
-                try:
-                    r = await self._post(self.target, headers, msg.data)
-                    if r.status_code < 500:
-                        break
-                except httpx.HTTPError as exc:
-                    log.warning("delivery to %s failed: %s", self.target, exc)
-                await asyncio.sleep(self.backoff_s * 2**attempt)
-                await msg.in_progress()
-            else:
+            r = await self._attempts(msg, headers)
+            if r is None:
                 await self._dead_letter(msg, headers)
                 await msg.ack()
                 return
@@ -103,6 +101,37 @@ class Dispatcher:
             log.exception("dispatch failed; the message will be redelivered")
         finally:
             self.sem.release()
+
+    async def _attempts(self, msg, headers: dict) -> httpx.Response | None:
+        """POST the event until the receiver answers below 500; None when ``retries`` failed
+        attempts are used up, or the receiver refused connections for ``unreachable_s``."""
+        loop = asyncio.get_running_loop()
+        attempt, refused_since, waits = 0, None, 0
+        while True:
+            try:
+                r = await self._post(self.target, headers, msg.data)
+                if r.status_code < 500:
+                    return r
+                refused_since = None
+            except httpx.ConnectError as exc:  # nothing listening: the receiver is (re)starting
+                now = loop.time()
+                refused_since = now if refused_since is None else refused_since
+                if now - refused_since < self.unreachable_s:
+                    if waits == 0:
+                        log.warning("%s refuses connections (%s); holding the event up to %.0f s",
+                                    self.target, exc, self.unreachable_s)
+                    await asyncio.sleep(min(self.backoff_s * 2**min(waits, 10), 2.0))
+                    waits += 1
+                    await msg.in_progress()
+                    continue
+                log.warning("%s refused connections for %.0f s", self.target, now - refused_since)
+            except httpx.HTTPError as exc:
+                log.warning("delivery to %s failed: %s", self.target, exc)
+            if attempt >= self.retries:
+                return None
+            await asyncio.sleep(self.backoff_s * 2**attempt)
+            attempt += 1
+            await msg.in_progress()
 
     async def _dead_letter(self, msg, headers: dict) -> None:
         ev = events.from_headers_body(headers, msg.data)
