@@ -485,7 +485,7 @@ class _overlay_lock:
 _ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _OVERLAY_HEADER = (
-    "# openrl user model registry, merged on top of the packaged one (openrl/registry.py).\n"
+    "# openrl user model registry, merged on top of the packaged one (openrl/model/registry.py).\n"
     "# Written by `openrl models add` / `openrl models remove` and --model NAME=DIR; comments are not kept.\n"
 )
 

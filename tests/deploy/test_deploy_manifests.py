@@ -659,7 +659,7 @@ def test_environment_contract(overlay):
 
 @pytest.mark.parametrize("overlay", APP_OVERLAYS)
 def test_model_registry_loads(overlay, tmp_path):
-    """The mounted models.toml parses with the real registry code (openrl/registry.py)."""
+    """The mounted models.toml parses with the real registry code (openrl/model/registry.py)."""
     registry = pytest.importorskip("openrl.model.registry", reason="openrl not importable")
     docs = build(overlay)
     (gateway,) = [k for k in ksvcs(docs).values() if function_of(k) == "gateway"]
