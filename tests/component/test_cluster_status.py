@@ -34,7 +34,7 @@ from openrl.transport.bus import Bus  # noqa: E402
 from openrl.transport.embedded import free_port, start_nats  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-SCHEMA_DIRS = [ROOT.parent / "shared" / "schemas", ROOT / "tests" / "data" / "schemas"]
+SCHEMA_DIRS = [ROOT / "tests" / "data" / "schemas", ROOT.parent / "shared" / "schemas"]  # vendored first (CI: no ../shared)
 NS = "openrl"
 SERVING = "/apis/serving.knative.dev/v1/namespaces/openrl"
 PA_PATH = "/apis/autoscaling.internal.knative.dev/v1alpha1/namespaces/openrl/podautoscalers"
