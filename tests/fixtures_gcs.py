@@ -18,3 +18,17 @@ def gcs_emulator():
     """URL (``http://127.0.0.1:<port>``) of a fake-gcs-server that lives for the session."""
     with _run_gcs_emulator() as url:
         yield url
+
+
+def count_downloads(store) -> list[str]:
+    """Wrap ``store._download_file`` (a ``GCSStorage``) to record each object it downloads;
+    returns the list the names are appended to (the download itself is unchanged)."""
+    calls: list[str] = []
+    orig = store._download_file
+
+    def counting(name, dest):
+        calls.append(name)
+        return orig(name, dest)
+
+    store._download_file = counting
+    return calls

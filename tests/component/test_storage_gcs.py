@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures_gcs import gcs_emulator  # noqa: F401  (session fixture; conftest may import it too)
+from fixtures_gcs import count_downloads, gcs_emulator  # noqa: F401  (session fixture; conftest may import it too)
 from openrl.errors import NotFound, UserError
 from openrl.storage import (
     ChecksumMismatch,
@@ -67,16 +67,6 @@ def object_names(gcs, prefix: str = "") -> list[str]:
     return sorted(b.name for b in gcs.client.list_blobs(gcs.bucket, prefix=prefix))
 
 
-def count_downloads(store: GCSStorage) -> list[str]:
-    calls: list[str] = []
-    orig = store._download_file
-
-    def counting(name, dest):
-        calls.append(name)
-        return orig(name, dest)
-
-    store._download_file = counting
-    return calls
 
 
 FILES = {

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures_gcs import gcs_emulator  # noqa: F401
+from fixtures_gcs import count_downloads, gcs_emulator  # noqa: F401
 from openrl.storage import TinkerPath, build_manifest, open_storage, sha256_file
 from openrl.storage.gcs import GCSStorage, make_client
 
@@ -48,16 +48,6 @@ def _save(trainer: GCSStorage, path: str) -> TinkerPath:
     return p
 
 
-def _downloads(store: GCSStorage) -> list[str]:
-    calls: list[str] = []
-    orig = store._download_file
-
-    def counting(name, dest):
-        calls.append(name)
-        return orig(name, dest)
-
-    store._download_file = counting
-    return calls
 
 
 def test_colocated_sampler_reads_the_snapshot_without_downloading(bucket, tmp_path):
@@ -65,28 +55,28 @@ def test_colocated_sampler_reads_the_snapshot_without_downloading(bucket, tmp_pa
     trainer = open_storage(f"gs://{bucket}/ck", cache_dir=cache, write_through=True)
     sampler = open_storage(f"gs://{bucket}/ck", cache_dir=cache)  # another process: no verified memo
     p = _save(trainer, "tinker://run1/sampler_weights/s0")
-    got = _downloads(sampler)
+    got = count_downloads(sampler)
     d = sampler.get_dir(p)
     assert got == []  # read from the shared cache, verified by sha256 against the bucket's manifest
     for name, data in FILES.items():
         assert (d / name).read_bytes() == data
     # still durable: a sampler elsewhere (its own cache) downloads the same bytes from the bucket
     remote = open_storage(f"gs://{bucket}/ck", cache_dir=tmp_path / "elsewhere")
-    far = _downloads(remote)
+    far = count_downloads(remote)
     d2 = remote.get_dir(p)
     assert sorted(far) and all(sha256_file(d2 / n) == sha256_file(d / n) for n in FILES)
     # the stage was linked, not copied: the cached file is the one the trainer wrote
     assert not any((cache / ".scratch").iterdir())
 
 
-def test_without_write_through_or_for_other_kinds_the_sampler_downloads(bucket, tmp_path):
+def test_without_write_through_or_for_other_kinds_the_samplercount_downloads(bucket, tmp_path):
     cache = tmp_path / "cache"
     plain = open_storage(f"gs://{bucket}/ck", cache_dir=cache)
     wt = open_storage(f"gs://{bucket}/ck", cache_dir=cache, write_through=True)
     p1 = _save(plain, "tinker://run1/sampler_weights/s1")
     p2 = _save(wt, "tinker://run1/weights/ckpt")  # a training checkpoint: not what a sampler reads next
     sampler = open_storage(f"gs://{bucket}/ck", cache_dir=cache)
-    got = _downloads(sampler)
+    got = count_downloads(sampler)
     sampler.get_dir(p1)
     sampler.get_dir(p2)
     assert len(got) == 2 * len(FILES)
@@ -102,7 +92,7 @@ def test_a_tampered_cached_copy_is_downloaded_again(bucket, tmp_path):
     os.unlink(cached)  # (a hard link: write a new file, as a corrupting process would)
     cached.write_bytes(bytes(data))
     sampler = open_storage(f"gs://{bucket}/ck", cache_dir=cache)
-    got = _downloads(sampler)
+    got = count_downloads(sampler)
     d = sampler.get_dir(p)
     assert "adapter_model.safetensors" in " ".join(got)
     assert (d / "adapter_model.safetensors").read_bytes() == FILES["adapter_model.safetensors"]
