@@ -4,31 +4,60 @@
 # after another (--parallel 1), same configs (a one-point search space), then the idle time
 # until the stack has no worker process left (supervisor.json: both "scaled to zero").
 #   bash bench/autoresearch_sweep.sh            # N=8 STEPS=3 IDLE=30 on the built tiny model (CPU)
-# Env: N, STEPS, IDLE (seconds), OUT (results dir, default /tmp/ar-bench), PY (.venv/bin/python).
+# Env: N, STEPS, IDLE (seconds), OUT (results dir, default /tmp/ar-bench), PY (.venv/bin/python),
+#   STATE (state dir, default $OUT/state; an existing one is reused, e.g. for its compile caches),
+#   SERVE_ARGS (more `openrl serve` arguments, e.g. --model NAME=DIR), MODEL (the driver's --model),
+#   ROWS (';'-separated driver arguments, one timed row each, e.g. "; --prompts 8 --max-tokens 64":
+#   the recipe's defaults, then bigger steps), DEADLINE (seconds from start after which no new row
+#   starts). One untimed sweep (--parallel 1) first: it starts both workers and their first passes.
+# Results: $OUT/sweep.json (one JSON object a line), $OUT/<tag>.log and <tag>/ (leaderboards), serve.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${N:-8}; STEPS=${STEPS:-3}; IDLE=${IDLE:-30}; OUT=${OUT:-/tmp/ar-bench}; PY=${PY:-.venv/bin/python}
-rm -rf "$OUT"; mkdir -p "$OUT"; STATE=$OUT/state
-PORT=$($PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])")
-"$(dirname "$PY")/openrl" serve --state-dir "$STATE" --port "$PORT" --idle-timeout "$IDLE" > "$OUT/serve.log" 2>&1 &
+STATE=${STATE:-$OUT/state}; MODEL=${MODEL:-}; ROWS=${ROWS:-}; DEADLINE=${DEADLINE:-100000}
+rm -rf "$OUT/seq"* "$OUT/par"* "$OUT/warmup"* "$OUT/sweep.json"; mkdir -p "$OUT"
+T0=$(date +%s)
+now() { "$PY" -c "import time; print(f'{time.time():.3f}')"; }
+sub() { "$PY" -c "import sys; print(round(float(sys.argv[1]) - float(sys.argv[2]), 2))" "$1" "$2"; }
+PORT=$("$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])")
+# shellcheck disable=SC2086
+"$PY" -c "import sys; from openrl.cli import main; sys.exit(main())" serve --state-dir "$STATE" --port "$PORT" \
+    --idle-timeout "$IDLE" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1 &
 SERVE=$!; trap 'kill $SERVE 2>/dev/null; wait $SERVE 2>/dev/null' EXIT
-until curl -sf "http://127.0.0.1:$PORT/api/v1/healthz" >/dev/null; do sleep 0.5; done
+"$PY" - "$PORT" <<'PYEOF'
+import sys, time, urllib.request
+while True:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/api/v1/healthz", timeout=2); break
+    except OSError:
+        time.sleep(0.5)
+PYEOF
+echo "[$(( $(date +%s) - T0 ))s] healthy"
 export TINKER_BASE_URL=http://127.0.0.1:$PORT TINKER_API_KEY=$(cat "$STATE/api_key") TINKER_TELEMETRY=0
 echo '{"learning_rate": [0.01], "rank": [8], "group_size": [4], "loss": ["importance_sampling"], "reward": ["arithmetic/shaped"]}' > "$OUT/space.json"
-run() {  # parallel tag
-  local t0=$(date +%s.%N)
-  $PY examples/autoresearch --experiments "$N" --parallel "$1" --steps "$STEPS" --space "$OUT/space.json" \
-      --out "$OUT/$2" > "$OUT/$2.log" 2>&1
-  echo "$(date +%s.%N) - $t0" | bc
+run() {  # parallel tag [driver args...]: prints the wall seconds
+  local par=$1 tag=$2; shift 2
+  local t0; t0=$(now)
+  "$PY" examples/autoresearch --experiments "$N" --parallel "$par" --steps "$STEPS" --space "$OUT/space.json" \
+      ${MODEL:+--model "$MODEL"} --out "$OUT/$tag" "$@" > "$OUT/$tag.log" 2>&1 || { echo "FAILED $tag" >&2; tail -20 "$OUT/$tag.log" >&2; return 1; }
+  sub "$(now)" "$t0"
 }
-run 1 warmup_p1 > /dev/null   # loads the model in both workers, first passes (not timed)
-W1=$(run 1 seq); WN=$(run "$N" par)
-echo "{\"experiments\": $N, \"steps\": $STEPS, \"sequential_s\": $W1, \"parallel_s\": $WN, \"speedup\": $(echo "scale=2; $W1 / $WN" | bc)}" | tee "$OUT/sweep.json"
-t0=$(date +%s.%N)
-until $PY - "$STATE/supervisor.json" <<'PYEOF'
+W=$(run 1 warmup)   # loads the model in both workers, first passes (not timed)
+echo "[$(( $(date +%s) - T0 ))s] warm-up sweep $W s"
+i=0
+IFS=';' read -r -a rows <<<"${ROWS:- }"
+for args in "${rows[@]}"; do
+  [ $(( $(date +%s) - T0 )) -lt "$DEADLINE" ] || { echo "deadline: row '$args' not run"; break; }
+  # shellcheck disable=SC2086
+  W1=$(run 1 seq$i $args); WN=$(run "$N" par$i $args)
+  echo "{\"experiments\": $N, \"steps\": $STEPS, \"driver_args\": \"$(echo $args)\", \"sequential_s\": $W1, \"parallel_s\": $WN, \"speedup\": $("$PY" -c "print(round($W1 / $WN, 2))")}" | tee -a "$OUT/sweep.json"
+  i=$((i + 1))
+done
+t0=$(now)
+until "$PY" - "$STATE/supervisor.json" <<'PYEOF'
 import json, sys
 p = json.load(open(sys.argv[1]))["processes"]
 sys.exit(0 if all(r["state"] == "scaled to zero" for r in p if r["name"].startswith(("trainer", "sampler"))) else 1)
 PYEOF
 do sleep 0.5; done
-echo "{\"idle_timeout_s\": $IDLE, \"sweep_end_to_zero_workers_s\": $(echo "$(date +%s.%N) - $t0" | bc)}" | tee -a "$OUT/sweep.json"
+echo "{\"idle_timeout_s\": $IDLE, \"sweep_end_to_zero_workers_s\": $(sub "$(now)" "$t0")}" | tee -a "$OUT/sweep.json"
