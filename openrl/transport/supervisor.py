@@ -21,6 +21,8 @@
   fetching, drains, and the trainer flushes its run state. When messages are pending on
   the consumer of a worker at zero, the worker is started again; requests meanwhile wait in
   the work queue (the gateway only publishes: no request reaches a worker any other way).
+  A worker's idle clock is held while another worker is starting (:meth:`Supervisor._peer_starting`),
+  so it gets its whole grace after the peer is up.
   Stopping the process frees its GPU memory. The stack then also starts with its workers at
   zero (first started by the first request), unless ``--model`` asks them to preload.
 
@@ -288,6 +290,8 @@ class Supervisor:
             m.queued, m.running = pending, ack_pending
             if pending + ack_pending > 0 or m.state == STARTING and not waiting:
                 m.last_busy = now  # a worker loading its model is not idle yet
+            elif m.state == RUNNING and self._peer_starting(m):
+                m.last_busy = now  # its client waits on the peer (an RL step: sample, then train)
             if m.state == STARTING and waiting:
                 m.state = RUNNING  # it pulls
             if self.idle_timeout_s > 0 and m.state == RUNNING and now - m.last_busy >= self.idle_timeout_s:
@@ -300,6 +304,14 @@ class Supervisor:
                 await self._spawn(m, restart=False)
             self.idle.labels(m.name).set(round(now - m.last_busy, 3))
         self._write()
+
+    def _peer_starting(self, m: Managed) -> bool:
+        """Whether another scaling worker (one with a consumer) is starting now. While it is, ``m``'s
+        idle clock is held: an RL loop alternates between sampler and trainer, so a trainer that is
+        idle because its client waits for a sampler loading vLLM (110 s from zero on the H200) is
+        not done. Without the hold, an ``--idle-timeout`` shorter than the peer's start makes the two
+        stop each other in turn (measured: 130 s RL steps at 30 s, docs/benchmarks.md)."""
+        return any(o is not m and o.consumer is not None and o.state == STARTING for o in self.managed)
 
     def _died(self, m: Managed, p: subprocess.Popen, code: int, now: float) -> None:
         m.last_exit = describe_exit(code)

@@ -16,7 +16,7 @@ from argparse import Namespace
 import pytest
 from prometheus_client import generate_latest
 
-from openrl.transport.supervisor import FAILED, RESTARTING, RUNNING, Backoff, Managed, Supervisor, describe_exit
+from openrl.transport.supervisor import FAILED, RESTARTING, RUNNING, STARTING, STOPPING, Backoff, Managed, Supervisor, describe_exit
 
 
 def _sleeper() -> subprocess.Popen:
@@ -110,6 +110,43 @@ def test_deaths_outside_the_window_are_not_fatal(procs, tmp_path):
         asyncio.run(sup.tick(None))
         time.sleep(0.25)
     assert sup.fatal is None and sup.managed[0].restarts == 4
+
+
+class _Loads(Supervisor):
+    """A Supervisor whose consumer reads come from a dict instead of nats-server: the JetStream
+    ``consumer_info`` numbers are the only input faked here (the real read is exercised by
+    tests/stack/test_scale_to_zero.py)."""
+
+    loads: dict[str, tuple[int, int, int]] = {}
+
+    async def _load(self, js, m):
+        return self.loads.get(m.name)
+
+
+def test_a_worker_is_not_idle_while_its_peer_starts(procs, tmp_path):
+    """The H200 sweep at --idle-timeout 30 (docs/benchmarks.md): the trainer was stopped while the
+    sampler loaded vLLM, then the sampler while the trainer started, every RL step. A worker's idle
+    clock is now held while the other worker is starting, and runs again once it pulls."""
+    managed = []
+    for i, name in enumerate(("trainer", "sampler")):
+        procs.append(_sleeper())
+        managed.append(Managed(name, _sleeper, slot=i, consumer=("OPENRL", name)))
+    sup = _Loads(managed, procs, nats_url="nats://127.0.0.1:1", state_file=tmp_path / "supervisor.json",
+                 idle_timeout_s=5.0)
+    trainer, sampler = managed
+    sampler.state = STARTING
+    sup.loads = {"trainer": (0, 0, 1), "sampler": (0, 0, 0)}   # trainer pulls, idle; sampler loading
+    trainer.last_busy = time.monotonic() - 60
+    asyncio.run(sup.tick(None))
+    assert trainer.state == RUNNING and procs[0].poll() is None   # held, not SIGTERMed
+    assert time.monotonic() - trainer.last_busy < 1
+    sup.loads["sampler"] = (0, 0, 1)                              # the sampler pulls: up
+    asyncio.run(sup.tick(None))
+    assert sampler.state == RUNNING and trainer.state == RUNNING
+    trainer.last_busy = sampler.last_busy = time.monotonic() - 60  # then both idle past the grace
+    asyncio.run(sup.tick(None))
+    assert trainer.state == STOPPING and sampler.state == STOPPING
+    assert procs[0].wait(timeout=10) == -signal.SIGTERM and procs[1].wait(timeout=10) == -signal.SIGTERM
 
 
 def test_negative_idle_timeout_is_refused(tmp_path):
