@@ -17,6 +17,7 @@ that the RL steps see groups with differing rewards. With a real model set
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import random
 import re
@@ -35,6 +36,37 @@ def default_api_key() -> str | None:
         return os.environ["TINKER_API_KEY"]
     f = Path(os.environ.get("OPENRL_HOME", Path.home() / ".openrl")) / "api_key"
     return f.read_text().strip() if f.exists() else None
+
+
+_tokenizers: dict[str, object] = {}  # base model -> tokenizer, or the asyncio.Task loading it
+
+
+async def shared_tokenizer(training, base_model: str):
+    """``training.get_tokenizer()``, loaded once per base model however many runs ask at once.
+
+    The load is synchronous (seconds for Qwen's tokenizer.json), so it runs in a thread; runs
+    that ask while it loads await the same task. Loading it once per run instead, 8 runs
+    starting together waited 19 s for their tokenizers on the H200 machine, against 9 s for
+    one run alone (docs/benchmarks.md, the autoresearch sweep). A failed load is not kept:
+    the next call tries again.
+
+    Raises:
+        whatever ``get_tokenizer`` raises (e.g. ``OSError`` for a tokenizer that cannot be found).
+    """
+    got = _tokenizers.get(base_model)
+    loop = asyncio.get_running_loop()
+    if got is None or isinstance(got, asyncio.Task) and got.get_loop() is not loop:
+        got = _tokenizers[base_model] = loop.create_task(asyncio.to_thread(training.get_tokenizer))
+    if not isinstance(got, asyncio.Task):
+        return got
+    try:
+        tok = await asyncio.shield(got)
+    except BaseException:
+        if got.done() and _tokenizers.get(base_model) is got:
+            del _tokenizers[base_model]
+        raise
+    _tokenizers[base_model] = tok
+    return tok
 
 
 def make_problems(n: int, rng: random.Random, max_operand: int) -> list[tuple[str, int]]:

@@ -37,7 +37,8 @@ import tinker
 from tinker import types
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rl_loop import default_api_key, group_advantages, make_problems, reward, sft_datum  # noqa: E402
+from rl_loop import (default_api_key, group_advantages, make_problems, reward, sft_datum,  # noqa: E402
+                     shared_tokenizer)
 
 
 @dataclass
@@ -63,16 +64,6 @@ def learning_rates(args) -> list[float]:
     return [float(x) for x in np.geomspace(args.lr_min, args.lr_max, args.runs)]
 
 
-_tokenizers: dict[str, object] = {}
-
-
-async def tokenizer_for(training, base_model: str):
-    """The run's tokenizer, loaded once per base model (loading is synchronous: off the loop)."""
-    if base_model not in _tokenizers:
-        _tokenizers[base_model] = await asyncio.to_thread(training.get_tokenizer)
-    return _tokenizers[base_model]
-
-
 async def run_one(service, lr: float, args, *, phase: str, on_step=None) -> list[StepRecord]:
     """One RL run (optional SFT warm-up, then ``args.steps`` GRPO steps) at learning rate ``lr``.
 
@@ -86,7 +77,7 @@ async def run_one(service, lr: float, args, *, phase: str, on_step=None) -> list
     rng = random.Random(args.seed)
     t_start = time.perf_counter()
     training = await service.create_lora_training_client(base_model=args.model, rank=args.rank, seed=args.seed)
-    tok = await tokenizer_for(training, args.model)
+    tok = await shared_tokenizer(training, args.model)
     adam = types.AdamParams(learning_rate=lr)
     if args.warmup_steps:
         pool = make_problems(32, random.Random(args.seed + 1), args.max_operand)

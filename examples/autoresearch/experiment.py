@@ -18,7 +18,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tinker import types
 
-from rl_loop import group_advantages
+from rl_loop import group_advantages, shared_tokenizer
 
 from . import tasks
 
@@ -55,9 +55,6 @@ class Pruned(Exception):
 
 class StopRequested(Exception):
     """Raised by an ``on_step`` callback when the sweep's time budget is spent."""
-
-
-_tokenizers: dict[str, object] = {}
 
 
 def rl_datum(prompt: list[int], seq, advantage: float, with_spans: bool) -> types.Datum:
@@ -99,9 +96,7 @@ async def run_experiment(service, base_model: str, cfg: ExperimentConfig, steps:
     score = tasks.REWARDS[cfg.reward]
     rng = random.Random(cfg.seed)
     training = await service.create_lora_training_client(base_model=base_model, rank=cfg.rank, seed=cfg.seed)
-    if base_model not in _tokenizers:  # loading is synchronous: off the loop
-        _tokenizers[base_model] = await asyncio.to_thread(training.get_tokenizer)
-    tok = _tokenizers[base_model]
+    tok = await shared_tokenizer(training, base_model)
     adam = types.AdamParams(learning_rate=cfg.learning_rate)
     if cfg.warmup_steps and task == "arithmetic":
         from rl_loop import sft_datum
