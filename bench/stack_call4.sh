@@ -6,7 +6,7 @@
 #   - bench/autoresearch_sweep.sh: `openrl serve --model Qwen/Qwen3-4B-Instruct-2507=$WORK/q4b
 #     --idle-timeout $IDLE` on $SB/main (the state dir call 3 left, so vLLM's compile cache is warm),
 #     8 experiments one after another vs all at once, per row of ROWS, then the idle time to zero workers
-# Build .whl/s4 here first (bench/stack_payload.sh prints how). DRY=1: the same on a CPU machine.
+# Build .whl/s4 here first: bash bench/stack_payload.sh (SKIP_VLLM=1 SKIP_GPU=1 for .whl/s4 alone). DRY=1: the same on a CPU machine.
 # Results: ar/sweep.json, ar/*.log, logs4.tgz.
 cd "$(dirname "$0")/.." && source bench/stack_env.sh
 L=$WORK/logs4; rm -rf "$L"; mkdir -p "$L"

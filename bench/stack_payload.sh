@@ -10,11 +10,12 @@
 #                        23 wheels vLLM's offline LLM path needs (as ../shared/vllm-h200/build_payload.sh)
 #   call 2  .whl/s2      C.so.xz.000: the first 50 MiB of the xz-packed _C_stable_libtorch.abi3.so (81 MiB)
 #   call 3  .whl/s3      C.so.xz.001 (the rest) + SUMS (sha256 of the whole C.so.xz)
+#   call 4  .whl/s4      optuna, matplotlib and their wheels: the autoresearch sweep (bench/stack_call4.sh)
 #
 # Usage (project root, after scripts/install.sh):  bash bench/stack_payload.sh
 #   STAGE (default /tmp/stack-stage): downloads and the two vLLM archives, reused by a second run unless
 #   REBUILD=1; C2_MIB (default 50): MiB of the _C archive in call 2. SKIP_VLLM=1 builds only .gpu,
-#   SKIP_GPU=1 only the vLLM parts. Prints each call's size with the checkout (the limit is 64 MiB).
+#   SKIP_GPU=1 only the vLLM parts, SKIP_S4=1 skips call 4's wheels. Prints each call's size with the checkout (the limit is 64 MiB).
 set -euo pipefail
 REPO=$(git rev-parse --show-toplevel); cd "$REPO"
 ST=${STAGE:-/tmp/stack-stage}
@@ -96,11 +97,25 @@ PY
   sha256sum $ST/C.so.xz | sed "s|$ST/||" > .whl/s3/SUMS
 fi
 
+# ---------------------------------------------------------------- 3. the autoresearch recipe's own wheels (call 4)
+# bench/stack_call4.sh (the sweep through the stack): optuna and matplotlib with what they import that the
+# GPU image lacks, at this .venv's versions (~31 MiB)
+if [ "${SKIP_S4:-0}" != 1 ]; then
+  pins=(); freeze=$($PIP freeze 2>/dev/null)
+  for n in optuna alembic colorlog sqlalchemy greenlet mako markupsafe pyyaml matplotlib contourpy cycler fonttools \
+           kiwisolver pillow pyparsing; do
+    v=$(grep -i -E "^${n//[-_]/[-_]}==" <<<"$freeze" | head -1 || true)
+    [ -n "$v" ] && pins+=("$v") || pins+=("$n")
+  done
+  rm -rf .whl/s4 && mkdir -p .whl/s4
+  python3 -m pip download -q --no-deps "${PLAT[@]}" -d .whl/s4 "${pins[@]}"
+fi
+
 # ---------------------------------------------------------------- sizes per call (checkout included)
 co=$(git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s}')
 mib() { du -sb "$@" 2>/dev/null | awk '{s+=$1} END {printf "%.2f", s/1048576}'; }
 printf "checkout %.2f MiB\n" "$(echo "$co/1048576" | bc -l)"
-for c in "1 .gpu .whl/s1" "2 .whl/s2" "3 .whl/s3"; do
+for c in "1 .gpu .whl/s1" "2 .whl/s2" "3 .whl/s3" "4 .whl/s4"; do
   set -- $c; n=$1; shift
   p=$(mib "$@"); t=$(echo "$p + $co/1048576" | bc -l)
   printf "call %s: carry %-22s %6.2f MiB, with the checkout %6.2f MiB %s\n" "$n" "$*" "$p" "$t" \
