@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import re
@@ -36,6 +37,18 @@ def default_api_key() -> str | None:
         return os.environ["TINKER_API_KEY"]
     f = Path(os.environ.get("OPENRL_HOME", Path.home() / ".openrl")) / "api_key"
     return f.read_text().strip() if f.exists() else None
+
+
+def default_base_url() -> str:
+    """$TINKER_BASE_URL, else the gateway of the ``openrl serve`` whose state dir is $OPENRL_HOME
+    (its ``ports.json``, as ``openrl status`` reads it), else http://127.0.0.1:8000."""
+    if os.environ.get("TINKER_BASE_URL"):
+        return os.environ["TINKER_BASE_URL"]
+    f = Path(os.environ.get("OPENRL_HOME", Path.home() / ".openrl")) / "ports.json"
+    try:
+        return json.loads(f.read_text())["gateway"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "http://127.0.0.1:8000"
 
 
 _tokenizers: dict[str, object] = {}  # base model -> tokenizer, or the asyncio.Task loading it
@@ -106,7 +119,7 @@ def sft_datum(tokenizer, prompt: str, completion: str) -> types.Datum:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base-url", default=os.environ.get("TINKER_BASE_URL", "http://127.0.0.1:8000"))
+    ap.add_argument("--base-url", default=default_base_url())
     ap.add_argument("--model", default="Qwen/Qwen3-4B-Instruct-2507")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--problems", type=int, default=4, help="problems per step")

@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import csv
 import json
-import os
 import random
 import sys
 import time
@@ -37,8 +36,8 @@ import tinker
 from tinker import types
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rl_loop import (default_api_key, group_advantages, make_problems, reward, sft_datum,  # noqa: E402
-                     shared_tokenizer)
+from rl_loop import (default_api_key, default_base_url, group_advantages, make_problems, reward,  # noqa: E402
+                     sft_datum, shared_tokenizer)
 
 
 @dataclass
@@ -237,7 +236,7 @@ async def sweep(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base-url", default=os.environ.get("TINKER_BASE_URL", "http://127.0.0.1:8000"))
+    ap.add_argument("--base-url", default=default_base_url())
     ap.add_argument("--model", default="Qwen/Qwen3-4B-Instruct-2507")
     ap.add_argument("--runs", type=int, default=3, help="runs in the sweep (learning rates)")
     ap.add_argument("--lrs", default=None, help="comma-separated learning rates (overrides --runs/--lr-min/--lr-max)")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import tinker
 from pydantic import ValidationError
 
-from rl_loop import default_api_key
+from rl_loop import default_api_key, default_base_url
 
 from . import leaderboard as lbm
 from .experiment import ExperimentConfig, Pruned, StopRequested, run_experiment
@@ -196,7 +195,7 @@ class Driver:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="autoresearch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base-url", default=os.environ.get("TINKER_BASE_URL", "http://127.0.0.1:8000"))
+    ap.add_argument("--base-url", default=default_base_url())
     ap.add_argument("--model", default="Qwen/Qwen3-4B-Instruct-2507")
     ap.add_argument("--out", default="autoresearch-out", help="leaderboard, plot, optuna.db (resume from here)")
     ap.add_argument("--experiments", type=int, default=8, help="experiments to finish in all (the budget)")
