@@ -56,11 +56,11 @@ import torch.distributed as dist
 from torch import nn
 
 from functions.trainer import losses
-from functions.trainer.engine import FwdBwdItem, FwdBwdResult, TrainerEngine, _mismatch_inputs, _Row
+from functions.trainer.engine import FwdBwdItem, FwdBwdResult, TrainerEngine, _mismatch_inputs, _Row, _row_logprobs
 from functions.trainer.mismatch import MismatchStats
-from openrl.errors import ServerError, UserError
+from openrl.errors import ServerError
 from openrl.model.lora import LoraSpec
-from openrl.model.logprobs import DEFAULT_CHUNK_TOKENS, pad_batch, target_logprobs
+from openrl.model.logprobs import DEFAULT_CHUNK_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -273,16 +273,7 @@ class DistributedTrainerEngine(TrainerEngine):
             self.max_rows, self.max_tokens = per_rank
 
     def _forward_backward(self, items: Sequence[FwdBwdItem]) -> list[FwdBwdResult]:
-        results = [FwdBwdResult() for _ in items]
-        configs: dict[int, dict[str, float]] = {}
-        all_rows: list[_Row] = []
-        for i, item in enumerate(items):  # deterministic: every rank finds the same errors
-            try:
-                rows, configs[i] = self._prepare(i, item)
-            except UserError as e:
-                results[i].error = e
-                continue
-            all_rows.extend(rows)
+        results, configs, all_rows = self._prepare_all(items)  # every rank finds the same errors
         valid = [i for i in range(len(items)) if results[i].error is None]
         if not all_rows:
             return results
@@ -361,36 +352,13 @@ class DistributedTrainerEngine(TrainerEngine):
             FloatingPointError: a row's loss is not finite (after the backward, so the ranks
                 stay in step; that row's loss is left out of it).
         """
-        first_seen: dict[str, int] = {}
-        for r in mb:
-            first_seen.setdefault(items[r.item].model_id, len(first_seen))
-        mb = sorted(mb, key=lambda r: first_seen[items[r.item].model_id])
-        row_adapters: list[str | None] = [items[r.item].model_id for r in mb]
-        grad_adapters = {a for a, r in zip(row_adapters, mb) if r.grad}
-        no_grad_adapters = sorted(set(row_adapters) - grad_adapters)
-        if mb:
-            ids, mask = pad_batch([r.tokens.tolist() for r in mb], self.pad_id, side="right")
-        else:  # no row here: one dummy token keeps this rank's collectives in step
-            ids, mask = pad_batch([[self.pad_id]], self.pad_id, side="right")
-            row_adapters = [None]
-        T, K = ids.shape[1], max([r.k for r in mb] + [1])
-        tgt = torch.zeros((ids.shape[0], T, K), dtype=torch.long)
-        for b, r in enumerate(mb):
-            tt = r.inputs["target_tokens"].cpu()
-            if tt.dim() == 1:
-                tgt[b, : r.n, 0] = tt
-            else:
-                tgt[b, : r.n, : tt.shape[1]] = tt
+        mb, lp = self._micro_batch_logprobs(mb, items, needs_grad)
         bad = None
         with torch.set_grad_enabled(needs_grad):
-            lp = target_logprobs(self.model, ids, tgt, mask, row_adapters,
-                                 no_grad_adapters=no_grad_adapters, chunk_tokens=self.chunk_tokens)
             total = lp.sum() * 0.0 if needs_grad else None  # every rank runs the backward
             for b, r in enumerate(mb):
                 item = items[r.item]
-                row_lp = lp[b, : r.n, 0] if r.inputs["target_tokens"].dim() == 1 else lp[b, : r.n, : r.k]
-                if not r.grad:
-                    row_lp = row_lp.detach()
+                row_lp = _row_logprobs(lp, b, r)
                 loss, outputs, metrics = losses.compute_loss(item.loss_fn, row_lp, r.inputs, configs[r.item])
                 if not torch.isfinite(loss.detach()):
                     bad = bad or f"non-finite loss for {item.model_id} datum {r.datum}"

@@ -288,7 +288,13 @@ class TrainerEngine:
                 return self._forward_backward(items)
         return self._forward_backward(items)
 
-    def _forward_backward(self, items: Sequence[FwdBwdItem]) -> list[FwdBwdResult]:
+    def _prepare_all(
+        self, items: Sequence[FwdBwdItem]
+    ) -> tuple[list[FwdBwdResult], dict[int, dict[str, float]], list[_Row]]:
+        """Validate every item: ``(results, configs, rows)``, where ``results[i].error`` holds item
+        i's :class:`UserError` (the others are empty), ``configs[i]`` its resolved loss config and
+        ``rows`` the datums of the valid items, in order (deterministic, so every rank of the
+        distributed engine finds the same errors)."""
         results = [FwdBwdResult() for _ in items]
         configs: dict[int, dict[str, float]] = {}
         all_rows: list[_Row] = []
@@ -299,9 +305,14 @@ class TrainerEngine:
                 results[i].error = e
                 continue
             all_rows.extend(rows)
-            results[i].loss_fn_outputs = [{} for _ in item.datums]
-            results[i].metrics = {"loss:sum": 0.0}
+        return results, configs, all_rows
+
+    def _forward_backward(self, items: Sequence[FwdBwdItem]) -> list[FwdBwdResult]:
+        results, configs, all_rows = self._prepare_all(items)
         valid = [i for i in range(len(items)) if results[i].error is None]
+        for i in valid:
+            results[i].loss_fn_outputs = [{} for _ in items[i].datums]
+            results[i].metrics = {"loss:sum": 0.0}
         if not all_rows:
             return results
 
@@ -378,6 +389,39 @@ class TrainerEngine:
             results[i] = FwdBwdResult(error=err)
         return results
 
+    def _micro_batch_logprobs(self, mb: list[_Row], items: Sequence[FwdBwdItem],
+                              needs_grad: bool) -> tuple[list[_Row], torch.Tensor]:
+        """Target logprobs of one micro-batch: ``(rows, lp)``, the rows reordered so each run's
+        rows sit next to each other (the LoRA layers then work on slices) and ``lp`` float32
+        ``[B, T, K]`` in that order (K: the widest row's targets per position). With
+        ``needs_grad`` the forward keeps its graph for the runs whose rows train. An empty ``mb``
+        runs one pad token with no adapter (B = 1): a rank of the distributed engine with no rows
+        keeps its collectives in step."""
+        first_seen: dict[str, int] = {}
+        for r in mb:
+            first_seen.setdefault(items[r.item].model_id, len(first_seen))
+        mb = sorted(mb, key=lambda r: first_seen[items[r.item].model_id])
+        row_adapters: list[str | None] = [items[r.item].model_id for r in mb]
+        grad_adapters = {a for a, r in zip(row_adapters, mb) if r.grad}
+        no_grad_adapters = sorted(set(row_adapters) - grad_adapters)
+        if mb:
+            ids, mask = pad_batch([r.tokens.tolist() for r in mb], self.pad_id, side="right")
+        else:
+            ids, mask = pad_batch([[self.pad_id]], self.pad_id, side="right")
+            row_adapters = [None]
+        T, K = ids.shape[1], max([r.k for r in mb] + [1])
+        tgt = torch.zeros((ids.shape[0], T, K), dtype=torch.long)
+        for b, r in enumerate(mb):
+            tt = r.inputs["target_tokens"].cpu()
+            if tt.dim() == 1:
+                tgt[b, : r.n, 0] = tt
+            else:
+                tgt[b, : r.n, : tt.shape[1]] = tt
+        with torch.set_grad_enabled(needs_grad):
+            lp = target_logprobs(self.model, ids, tgt, mask, row_adapters,
+                                 no_grad_adapters=no_grad_adapters, chunk_tokens=self.chunk_tokens)
+        return mb, lp
+
     def _run_micro_batch(
         self,
         mb: list[_Row],
@@ -387,35 +431,13 @@ class TrainerEngine:
         loss_sums: dict[int, float],
         mismatch: dict[int, MismatchStats],
     ) -> None:
-        # rows of one run next to each other: the LoRA layers then work on slices
-        first_seen: dict[str, int] = {}
-        for r in mb:
-            first_seen.setdefault(items[r.item].model_id, len(first_seen))
-        mb = sorted(mb, key=lambda r: first_seen[items[r.item].model_id])
-        row_adapters = [items[r.item].model_id for r in mb]
-        grad_adapters = {a for a, r in zip(row_adapters, mb) if r.grad}
-        no_grad_adapters = sorted(set(row_adapters) - grad_adapters)
-        needs_grad = bool(grad_adapters)
-        ids, mask = pad_batch([r.tokens.tolist() for r in mb], self.pad_id, side="right")
-        T, K = ids.shape[1], max(r.k for r in mb)
-        tgt = torch.zeros((len(mb), T, K), dtype=torch.long)
-        for b, r in enumerate(mb):
-            tt = r.inputs["target_tokens"].cpu()
-            if tt.dim() == 1:
-                tgt[b, : r.n, 0] = tt
-            else:
-                tgt[b, : r.n, : tt.shape[1]] = tt
+        needs_grad = any(r.grad for r in mb)
+        mb, lp = self._micro_batch_logprobs(mb, items, needs_grad)
+        total = None
         with torch.set_grad_enabled(needs_grad):
-            lp = target_logprobs(
-                self.model, ids, tgt, mask, row_adapters,
-                no_grad_adapters=no_grad_adapters, chunk_tokens=self.chunk_tokens,
-            )  # float32 [B, T, K]
-            total = None
             for b, r in enumerate(mb):
                 item = items[r.item]
-                row_lp = lp[b, : r.n, 0] if r.inputs["target_tokens"].dim() == 1 else lp[b, : r.n, : r.k]
-                if not r.grad:
-                    row_lp = row_lp.detach()
+                row_lp = _row_logprobs(lp, b, r)
                 loss, outputs, loss_metrics = losses.compute_loss(item.loss_fn, row_lp, r.inputs, configs[r.item])
                 losses.merge_metrics(results[r.item].metrics, loss_metrics)
                 if not torch.isfinite(loss.detach()):
@@ -620,6 +642,13 @@ class TrainerEngine:
         directory.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(directory / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
         (directory / ADAPTER_CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def _row_logprobs(lp: torch.Tensor, b: int, r: _Row) -> torch.Tensor:
+    """Row ``b`` of a micro-batch's ``lp`` [B, T, K] cut to datum ``r``: [n] for 1-D targets, else
+    [n, k]; detached when ``r`` does not train."""
+    row_lp = lp[b, : r.n, 0] if r.inputs["target_tokens"].dim() == 1 else lp[b, : r.n, : r.k]
+    return row_lp if r.grad else row_lp.detach()
 
 
 def _mismatch_inputs(r: _Row) -> tuple[torch.Tensor, torch.Tensor] | None:
