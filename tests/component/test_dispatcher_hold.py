@@ -12,22 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import pytest
-
+from nats_helpers import nats_url  # noqa: F401  (fixture)
 from openrl.contract import events, topology
 from openrl.transport.bindings.dispatcher import Dispatcher
 from openrl.transport.bus import Bus
-from openrl.transport.embedded import start_nats
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from openrl.transport.embedded import free_port
 
 
 class Sink:
@@ -55,15 +47,6 @@ class Sink:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
-
-
-@pytest.fixture
-def nats_url(tmp_path):
-    port = free_port()
-    proc = start_nats(tmp_path, port)
-    yield f"nats://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(timeout=30)
 
 
 async def _run(nats_url: str, *, receiver_after_s: float | None, unreachable_s: float) -> tuple[list, list]:

@@ -14,15 +14,12 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
-import pytest
-
+from nats_helpers import nats_url  # noqa: F401  (fixture)
 from openrl.observe import metrics
 from openrl.transport.bus import Bus
-from openrl.transport.embedded import free_port, start_nats
 from openrl.transport.worker import WORKERS_KEY, WorkerPresence, describe, function_of_consumer, worker_records
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,15 +83,6 @@ def test_function_info_metric():
     (line,) = [x for x in text.splitlines() if x.startswith("openrl_function_info{") and 'function="test-fn"' in x]
     assert 'device="cuda"' in line and 'dtype="bfloat16"' in line and 'backend=""' in line
     assert "bad" not in line and "spoof" not in line and line.endswith(" 1.0")
-
-
-@pytest.fixture
-def nats_url(tmp_path):
-    port = free_port()
-    proc = start_nats(tmp_path, port)
-    yield f"nats://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(timeout=30)
 
 
 def _records(nats_url: str) -> list[dict]:

@@ -15,11 +15,9 @@ against the embedded stack with several keys (``keyed_stack``, tests/fixtures_ke
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
-import time
 
 import httpx
 import tinker
@@ -27,6 +25,7 @@ from tinker import types
 
 from conftest import BASE_MODEL
 from fixtures_keys import PASS_TOKEN_BUDGET, QUOTA_TOKENS_PER_MIN
+from nats_helpers import stream_depth, wait_until
 
 
 def _passes(stack) -> list[tuple[int, list]]:
@@ -37,26 +36,6 @@ def _passes(stack) -> list[tuple[int, list]]:
         if s.get("name") == "trainer pass":
             out.append((int(s["attributes"]["openrl.pass.index"]), json.loads(s["attributes"]["openrl.pass.items"])))
     return sorted(out)
-
-
-def _train_depth(nats_url: str) -> int:
-    import nats
-
-    async def go() -> int:
-        nc = await nats.connect(nats_url)
-        try:
-            return (await nc.jetstream().stream_info("OPENRL_TRAIN")).state.messages
-        finally:
-            await nc.close()
-
-    return asyncio.run(go())
-
-
-def _wait(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
 
 
 def _datums(n: int, length: int, start: int) -> list[types.Datum]:
@@ -76,14 +55,14 @@ def test_a_flooding_key_does_not_starve_another_keys_small_run(keyed_stack, keys
     tb = b.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=2).result()
     for t in (ta, tb):  # both runs held and their owners known to the trainer
         t.forward_backward(_datums(1, 8, 1), "cross_entropy").result()
-    _wait(lambda: _train_depth(keyed_stack.nats_url) == 0, 60, "the train queue did not drain")
+    wait_until(lambda: stream_depth(keyed_stack.nats_url, "OPENRL_TRAIN") == 0, 60, "the train queue did not drain")
     n_flood, flood_tokens = 8, 2 * 64  # 8 requests of 128 tokens; the pass budget is 256
     os.kill(trainer.pid, signal.SIGSTOP)  # our own trainer process: everything queues up
     try:
         flood = [ta.forward_backward(_datums(2, 64, 50 + k), "cross_entropy") for k in range(n_flood)]
-        _wait(lambda: _train_depth(keyed_stack.nats_url) >= n_flood, 60, "the flood was not queued")
+        wait_until(lambda: stream_depth(keyed_stack.nats_url, "OPENRL_TRAIN") >= n_flood, 60, "the flood was not queued")
         small = tb.forward_backward(_datums(1, 8, 3), "cross_entropy")
-        _wait(lambda: _train_depth(keyed_stack.nats_url) >= n_flood + 1, 60, "the small request was not queued")
+        wait_until(lambda: stream_depth(keyed_stack.nats_url, "OPENRL_TRAIN") >= n_flood + 1, 60, "the small request was not queued")
     finally:
         os.kill(trainer.pid, signal.SIGCONT)
     assert small.result().loss_fn_outputs
@@ -95,7 +74,7 @@ def test_a_flooding_key_does_not_starve_another_keys_small_run(keyed_stack, keys
         a_seqs = {it[1] for _, items in ps for it in items if it[0] == ta.model_id}
         return (ps, b_in) if b_in and set(range(2, 2 + n_flood)) <= a_seqs else None
 
-    _wait(lambda: mine() is not None, 60, "the trainer pass spans of both runs")
+    wait_until(lambda: mine() is not None, 60, "the trainer pass spans of both runs")
     ps, [(b_pass, b_item)] = mine()
     by_index = dict(ps)
     assert b_pass == b_item[2] + 1, ps  # the first pass started after B's request arrived

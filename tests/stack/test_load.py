@@ -11,7 +11,6 @@ Speed is measured by ``bench/gateway_cpu.py`` (docs/benchmarks.md), not here.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
@@ -22,6 +21,7 @@ from tinker import types
 
 from conftest import BASE_MODEL
 from fixtures_keys import MAX_PENDING_SAMPLES
+from nats_helpers import stream_depth, wait_until
 
 
 def test_2000_concurrent_sample_futures_all_answer(stack, api_key):
@@ -33,27 +33,6 @@ def test_2000_concurrent_sample_futures_all_answer(stack, api_key):
     assert len(results) == 2000
     assert all(len(r.sequences) == 1 and len(r.sequences[0].tokens) == 1 for r in results)
     assert all(p.poll() is None for p in stack.procs)
-
-
-def _sample_depth(nats_url: str) -> int:
-    import nats
-
-    async def go() -> int:
-        nc = await nats.connect(nats_url)
-        try:
-            return (await nc.jetstream().stream_info("OPENRL_SAMPLE")).state.messages
-        finally:
-            await nc.close()
-
-    return asyncio.run(go())
-
-
-def _wait(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.2)
 
 
 def _answer(http: httpx.Client, request_id: str, timeout_s: float = 120) -> httpx.Response:
@@ -72,7 +51,7 @@ def test_full_queue_answers_429_with_retry_after(keyed_stack, keys):
     sc = svc.create_sampling_client(base_model=BASE_MODEL).result()
     sid = sc._sampling_session_id
     sc.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=1)).result()
-    _wait(lambda: _sample_depth(keyed_stack.nats_url) == 0, 120, "the sample queue did not drain")
+    wait_until(lambda: stream_depth(keyed_stack.nats_url, "OPENRL_SAMPLE") == 0, 120, "the sample queue did not drain")
     http = httpx.Client(base_url=keyed_stack.base_url + "/api/v1", headers={"X-API-Key": keys.user}, timeout=60)
     admin = httpx.Client(base_url=keyed_stack.base_url + "/api/v1", headers={"X-API-Key": keys.admin}, timeout=60)
 
@@ -105,7 +84,7 @@ def test_full_queue_answers_429_with_retry_after(keyed_stack, keys):
         before = rejected_so_far()
         futs = [sc.sample(types.ModelInput.from_ints([4, 5]), 1, types.SamplingParams(max_tokens=1))
                 for _ in range(30)]
-        _wait(lambda: rejected_so_far() >= before + 2, 60, "the SDK's samples were never turned away")
+        wait_until(lambda: rejected_so_far() >= before + 2, 60, "the SDK's samples were never turned away")
     finally:
         os.kill(sampler.pid, signal.SIGCONT)
     assert len([f.result() for f in futs]) == 30
