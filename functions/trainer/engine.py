@@ -17,7 +17,7 @@ Ordering is the caller's job: pass items that may run together (for one run: req
 ``seq_id`` order, never across an ``optim_step`` or a weight load of that run).
 
 On CUDA the engine routes the decoder's pointwise chains (RMSNorm, SiLU * up, rotary)
-through fused, checked ``torch.compile`` kernels (:func:`openrl.model.kernels.accelerate_model`;
+through Liger Kernel's fused, checked Triton kernels (:func:`openrl.model.kernels.accelerate_model`;
 ``OPENRL_FUSED_KERNELS=0`` keeps eager code), LoRA deltas of several runs go through grouped
 GEMMs (:data:`openrl.model.lora.ops.MULTI_ADAPTER_MODE`), and the vocabulary projection computes its
 gradient in the forward (``openrl.model.logprobs``); nothing is recomputed. CPU numerics are
@@ -52,7 +52,7 @@ from openrl.model.lora import (
     read_peft_adapter,
     save_peft_adapter,
 )
-from openrl.model.kernels import accelerate_model
+from openrl.model.kernels import accelerate_model, kernel_status
 from openrl.model.logprobs import DEFAULT_CHUNK_TOKENS, pad_batch, target_logprobs
 
 log = logging.getLogger(__name__)
@@ -181,13 +181,12 @@ class TrainerEngine:
         self.dtype = next(base.parameters()).dtype
         self.model = MultiLoRAModel(base)
         self.device = torch.device(device)
-        #: fused-kernel status per kernel (empty on CPU); see openrl.model.kernels.accelerate_model
-        self.kernels: dict[str, str] = {}
+        self._patched: str | None = None  # what accelerate_model patched (CUDA with fused kernels only)
         if fused_kernels is None:
             fused_kernels = Settings().fused_kernels
         if self.device.type == "cuda" and fused_kernels:
             with startup.timed("trainer_kernels"):
-                self.kernels = accelerate_model(base)
+                self._patched = accelerate_model(base)["patched"]
         self.max_rows = int(max_rows)
         self.max_tokens = int(max_tokens)
         self.chunk_tokens = int(chunk_tokens)
@@ -197,6 +196,15 @@ class TrainerEngine:
         pad = getattr(cfg, "pad_token_id", None)
         self.pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
         self.runs: dict[str, _Run] = {}
+
+    @property
+    def kernels(self) -> dict[str, str]:
+        """Fused-kernel status per kernel, now (a kernel that raised at run time has gone
+        eager since: :func:`openrl.model.kernels.kernel_status`); empty on CPU or with
+        ``fused_kernels`` off."""
+        if self._patched is None:
+            return {}
+        return {**kernel_status(), "patched": self._patched}
 
     # -------------------------------------------------------------------- runs
 

@@ -1,8 +1,31 @@
-"""Fused pointwise kernels for a transformers decoder on CUDA (``torch.compile``), each
-checked forward and backward against its eager formula, with the eager code as fallback.
+"""Fused pointwise kernels for a transformers decoder on CUDA, from Liger Kernel.
 
 :func:`accelerate_model` routes RMSNorm, SiLU(gate) * up and the rotary embedding of
-Qwen2/Qwen3/Llama/Mistral decoders through them; CPU numerics are untouched.
+Qwen2/Qwen3/Llama/Mistral decoders through Liger Kernel's Triton kernels
+(``liger_kernel.ops``: ``LigerRMSNormFunction``, ``LigerSiLUMulFunction``,
+``LigerRopeFunction``, each an ``autograd.Function`` with its own backward). CPU numerics are
+untouched: every patched entry calls the original code for non-CUDA tensors.
+
+Why Liger and not ``torch.compile``: a compiled function carries guards (grad mode,
+``requires_grad``, size-1 dimensions, ``Parameter`` vs tensor) and recompiles on each new
+one; after the recompile limit a ``fullgraph`` function raises ``FailOnRecompileLimitHit``
+on every later call. Ordinary mixed traffic (forward and forward_backward, batch 1 and 2,
+two ranks) hit it within a minute on the H200 (issue 22). A Triton kernel launched from
+an ``autograd.Function`` has no guards: its specialisations are keyed by block sizes and
+dtypes, of which a model has a handful.
+
+Safety, in three layers:
+
+1. at set-up each kernel is checked forward and backward against its eager formula on
+   representative shapes on the device (relative L2 error < 1e-2 in bf16); one that fails to
+   import, to launch or to match stays eager (``status`` says why);
+2. every call that raises falls back to the eager formula for that call, and the kernel is
+   switched off for the rest of the process (``status`` ``"failed at run time: ..."``,
+   logged once as an error): a shape the check did not cover never fails a request;
+3. inputs that a kernel would overwrite in place (Liger's rope rotates q and k in their
+   buffers) are copied first, so no tensor autograd saved is changed behind its back.
+
+``OPENRL_FUSED_KERNELS=0`` (:class:`openrl.config.Settings`) keeps the eager code.
 """
 
 from __future__ import annotations
@@ -21,20 +44,20 @@ log = logging.getLogger(__name__)
 
 def _rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm exactly as transformers' Qwen3/Llama ``*RMSNorm`` computes it:
-    ``weight * (x_f32 * rsqrt(mean(x_f32^2, -1) + eps)).to(x.dtype)``; x [..., H]."""
+    ``weight * (x_f32 * rsqrt(mean(x_f32^2, -1) + eps)).to(x.dtype)``; x [N, H], weight [H]."""
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * y.to(x.dtype)
 
 
 def _silu_mul_ref(g: Tensor, u: Tensor) -> Tensor:
-    """``silu(g) * u`` (the gated MLP's activation), same shapes/dtype."""
+    """``silu(g) * u`` (the gated MLP's activation); g, u [N, I], same dtype."""
     return F.silu(g) * u
 
 
 def _rope_ref(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """transformers' ``apply_rotary_pos_emb`` with ``unsqueeze_dim=1``: q [B, hq, T, d],
-    k [B, hk, T, d], cos/sin [B, T, d]; ``x * cos + rotate_half(x) * sin``."""
+    k [B, hk, T, d], cos/sin [B or 1, T, d]; ``x * cos + rotate_half(x) * sin``."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
 
     def rot(x: Tensor) -> Tensor:
@@ -44,36 +67,96 @@ def _rope_ref(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, T
     return q * cos + rot(q) * sin, k * cos + rot(k) * sin
 
 
-class _Kernel:
-    """One pointwise function: the eager reference, and a compiled version once
-    :func:`accelerate_model` has checked it (forward and backward) on the device."""
+def rope_tables(b: int, t: int, d: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [b, t, d] shaped like transformers' rotary embedding output: angles of
+    random positions times inverse frequencies, the d/2 columns repeated twice (``cat((f, f))``,
+    which Liger's kernel relies on: it reads one half)."""
+    pos = torch.randint(0, 4096, (b, t, 1), generator=gen).float()
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
+    ang = pos * inv
+    ang = torch.cat((ang, ang), dim=-1)
+    return ang.cos(), ang.sin()
 
-    def __init__(self, name: str, ref: Callable, grad_args: tuple[int, ...]):
-        self.name, self.ref, self.fast = name, ref, None
+
+def _liger_rms_norm() -> Callable:
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+    def fn(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        # casting_mode "llama": only the inverse RMS in float32, transformers' Qwen3/Llama
+        # formula; in_place=False: dY is autograd's buffer, not ours to overwrite
+        return LigerRMSNormFunction.apply(x, weight, eps, 0.0, "llama", False)
+
+    return fn
+
+
+def _liger_silu_mul() -> Callable:
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    return lambda g, u: LigerSiLUMulFunction.apply(g, u)
+
+
+def _liger_rope() -> Callable:
+    from liger_kernel.ops.rope import LigerRopeFunction
+
+    def fn(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        # Liger rotates q and k in their (contiguous) buffers: hand it copies
+        return LigerRopeFunction.apply(q.clone(), k.clone(), cos, sin, None, 1)
+
+    return fn
+
+
+class _Kernel:
+    """One pointwise function: the eager reference, and the Liger kernel once
+    :func:`accelerate_model` has checked it (forward and backward) on the device.
+
+    Calling it runs the kernel when there is one and falls back to the reference, for that
+    call and from then on, if the kernel raises (see the module doc)."""
+
+    def __init__(self, name: str, ref: Callable, make_fast: Callable[[], Callable], grad_args: tuple[int, ...]):
+        self.name, self.ref, self.make_fast, self.fast = name, ref, make_fast, None
         self.grad_args = grad_args  # arguments that carry gradients in the model (weights are frozen)
         self.status = "eager"
+        self.fallbacks = 0  # calls answered by the reference after the kernel raised
 
     def __call__(self, *args):
-        return (self.fast or self.ref)(*args)
+        fast = self.fast
+        if fast is not None:
+            try:
+                return fast(*args)
+            except Exception as e:  # a shape or state the check did not cover: never fail the pass
+                self.fast = None
+                self.status = f"failed at run time: {type(e).__name__}: {str(e)[:300]}"
+                log.error("fused kernel %s raised; eager from now on: %s", self.name, self.status)
+                self.fallbacks += 1
+        return self.ref(*args)
 
 
 _KERNELS = {
-    "rms_norm": _Kernel("rms_norm", _rms_norm_ref, (0,)),
-    "silu_mul": _Kernel("silu_mul", _silu_mul_ref, (0, 1)),
-    "rope": _Kernel("rope", _rope_ref, (0, 1)),
+    "rms_norm": _Kernel("rms_norm", _rms_norm_ref, _liger_rms_norm, (0,)),
+    "silu_mul": _Kernel("silu_mul", _silu_mul_ref, _liger_silu_mul, (0, 1)),
+    "rope": _Kernel("rope", _rope_ref, _liger_rope, (0, 1)),
 }
 _NORM_CLASSES = ("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm")
 _MLP_CLASSES = ("Qwen3MLP", "Qwen2MLP", "LlamaMLP", "MistralMLP")
+#: relative L2 error above which a kernel is rejected against its eager formula (bf16)
+CHECK_REL_ERR = 1e-2
 
 
-def _compile_checked(kernel: _Kernel, cases: list[tuple], device: torch.device) -> None:
-    """Compile ``kernel.ref`` and keep it only if, on every case (tuples of CPU tensors,
-    moved to ``device``; those at ``kernel.grad_args`` require grad), forward and input
-    gradients match the eager reference (relative L2 error < 1e-2 in bf16). Never raises."""
+def _check(kernel: _Kernel, cases: list[tuple], device: torch.device) -> None:
+    """Build ``kernel.make_fast()`` and keep it only if, on every case (tuples of CPU
+    tensors, moved to ``device``; those at ``kernel.grad_args`` require grad), forward and input
+    gradients match the eager reference (relative L2 error < :data:`CHECK_REL_ERR`), with
+    and without grad mode. Never raises: a kernel that fails stays eager with the reason in
+    ``kernel.status``."""
     if kernel.fast is not None or kernel.status.startswith("failed"):
         return
     try:
-        fast = torch.compile(kernel.ref, dynamic=True, fullgraph=True)
+        fast = kernel.make_fast()
+    except ImportError as e:
+        kernel.status = f"eager (liger-kernel not importable: {e})"
+        log.warning("fused kernel %s: %s", kernel.name, kernel.status)
+        return
+    try:
         for case in cases:
             outs = []
             for fn in (kernel.ref, fast):
@@ -84,30 +167,41 @@ def _compile_checked(kernel: _Kernel, cases: list[tuple], device: torch.device) 
                 gen = torch.Generator(device="cpu").manual_seed(0)
                 loss = sum((t.float() * torch.randn(t.shape, generator=gen).to(device)).sum() for t in ys)
                 grads = torch.autograd.grad(loss, [a for a in args if isinstance(a, Tensor) and a.requires_grad])
-                outs.append([t.detach().float() for t in ys] + [g.float() for g in grads])
+                with torch.no_grad():  # the forward-only path (forward, compute_logprobs)
+                    y0 = fn(*[a.detach() if isinstance(a, Tensor) else a for a in args])
+                y0s = y0 if isinstance(y0, tuple) else (y0,)
+                outs.append([t.detach().float() for t in ys] + [g.float() for g in grads] + [t.float() for t in y0s])
             for a, b in zip(*outs):
                 err = float((a - b).norm() / a.norm().clamp_min(1e-12))
-                if not err < 1e-2:
-                    raise RuntimeError(f"compiled {kernel.name} differs from eager: rel err {err:.3g}")
-        kernel.fast, kernel.status = fast, "compiled"
+                if not err < CHECK_REL_ERR:
+                    raise RuntimeError(f"{kernel.name} differs from eager: rel err {err:.3g}")
+        kernel.fast, kernel.status = fast, "liger"
     except Exception as e:  # keep eager
         kernel.status = f"failed: {type(e).__name__}: {str(e)[:300]}"
-        log.warning("torch.compile of %s unusable, staying eager: %s", kernel.name, kernel.status)
+        log.warning("fused kernel %s unusable, staying eager: %s", kernel.name, kernel.status)
+
+
+def kernel_status() -> dict[str, str]:
+    """``{kernel name: status}`` now (``"liger"``, ``"eager"``, ``"failed: ..."``,
+    ``"failed at run time: ..."``), plus ``<name>_fallbacks`` counts where non-zero."""
+    out = {k: v.status for k, v in _KERNELS.items()}
+    out.update({f"{k}_fallbacks": str(v.fallbacks) for k, v in _KERNELS.items() if v.fallbacks})
+    return out
 
 
 def accelerate_model(base: torch.nn.Module, compile: bool = True) -> dict[str, str]:
-    """Route a transformers decoder's pointwise chains through fused kernels on CUDA.
+    """Route a transformers decoder's pointwise chains through Liger's fused kernels on CUDA.
 
     Patches, per instance, ``forward`` of Qwen2/Qwen3/Llama/Mistral ``*RMSNorm`` modules
     (input flattened to [N, H]) and gated SiLU ``*MLP`` modules (``down(silu(gate(x)) *
     up(x))``, the product fused), and the model's module-level ``apply_rotary_pos_emb``
     (process-wide). Every patched entry calls the original code for non-CUDA tensors, so
-    CPU numerics are untouched. The compiled kernels (``torch.compile(dynamic=True)``) are
-    checked forward and backward against the eager formulas on representative shapes first;
-    any that fails to compile or to match stays eager.
+    CPU numerics are untouched. With ``compile`` (the name kept from the torch.compile
+    version) and a CUDA model, each kernel is checked on representative shapes first
+    (:func:`_check`); one that fails stays eager.
 
     Returns:
-        ``{kernel name: "compiled" | "eager" | "failed: ..."}``.
+        ``{kernel name: "liger" | "eager" | "failed: ...", "patched": "..."}``.
     """
     device = next(base.parameters()).device
     dtype = next(base.parameters()).dtype
@@ -123,12 +217,14 @@ def accelerate_model(base: torch.nn.Module, compile: bool = True) -> dict[str, s
         def rnd(*shape):
             return torch.randn(*shape, generator=g).to(dtype)
 
-        _compile_checked(_KERNELS["rms_norm"], [(rnd(N, d), 1 + rnd(d) / 4, 1e-6) for N, d in ((24, H), (40, hd), (17, H))], device)
-        _compile_checked(_KERNELS["silu_mul"], [(rnd(N), rnd(N)) for N in (6 * inter, 9 * inter)], device)
+        _check(_KERNELS["rms_norm"], [(rnd(N, d), 1 + rnd(d) / 4, 1e-6) for N, d in ((1, H), (24, H), (40, hd), (17, H))], device)
+        _check(_KERNELS["silu_mul"], [(rnd(N, inter), rnd(N, inter)) for N in (1, 6, 9)], device)
         rope_cases = []
-        for B, T, Bc in ((2, 8, 2), (3, 5, 3), (1, 7, 1), (3, 6, 1)):  # Bc = 1: positions shared by all rows
-            rope_cases.append((rnd(B, T, nh, hd).transpose(1, 2), rnd(B, T, nkv, hd).transpose(1, 2), rnd(Bc, T, hd), rnd(Bc, T, hd)))
-        _compile_checked(_KERNELS["rope"], rope_cases, device)
+        for B, T, Bc in ((2, 8, 2), (3, 5, 3), (1, 7, 1), (3, 6, 1), (1, 1, 1)):  # Bc = 1: positions shared by all rows
+            cos, sin = rope_tables(Bc, T, hd, g)
+            rope_cases.append((rnd(B, T, nh, hd).transpose(1, 2), rnd(B, T, nkv, hd).transpose(1, 2),
+                               cos.to(dtype), sin.to(dtype)))
+        _check(_KERNELS["rope"], rope_cases, device)
 
     n_norm = n_mlp = 0
     for m in base.modules():
@@ -152,7 +248,7 @@ def accelerate_model(base: torch.nn.Module, compile: bool = True) -> dict[str, s
             wrapped._openrl_fused = True  # type: ignore[attr-defined]
             setattr(mod, "apply_rotary_pos_emb", wrapped)
             n_rope += 1
-    status = {k: v.status for k, v in _KERNELS.items()}
+    status = kernel_status()
     status["patched"] = f"{n_norm} norms, {n_mlp} mlps, {n_rope} rope modules"
     return status
 
@@ -167,7 +263,8 @@ def _mlp_forward(m: torch.nn.Module, x: Tensor) -> Tensor:
     if not x.is_cuda:
         return m._openrl_eager_forward(x)
     gt, up = m.gate_proj(x), m.up_proj(x)
-    return m.down_proj(_KERNELS["silu_mul"](gt.reshape(-1), up.reshape(-1)).view(gt.shape))
+    n = gt.shape[-1]
+    return m.down_proj(_KERNELS["silu_mul"](gt.reshape(-1, n), up.reshape(-1, n)).view(gt.shape))
 
 
 def _rope_forward(orig: Callable, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *args, **kwargs):

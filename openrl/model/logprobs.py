@@ -35,7 +35,7 @@ GPU fast paths (same formulas; used only where they apply, eager code otherwise)
   the hidden state; times ``1 - tanh(z/c)^2`` under a softcap ``c``), kept as [N, H] in the
   model dtype; the backward is ``dL/dh = dL/dlp * G``. No [N, V] tensor outlives its chunk
   and nothing is recomputed (the checkpointed path projects each chunk twice).
-* :func:`openrl.model.kernels.accelerate_model`: fused (``torch.compile``) kernels for the
+* :func:`openrl.model.kernels.accelerate_model`: fused (Liger Kernel, Triton) kernels for the
   decoder's pointwise chains on CUDA: RMSNorm, SiLU(gate) * up, rotary embedding.
 """
 

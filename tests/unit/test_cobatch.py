@@ -341,5 +341,5 @@ def test_accelerate_model_leaves_cpu_numerics_alone(model_dir):
         before = base(input_ids=ids).logits
         status = accelerate_model(base, compile=False)
         after = base(input_ids=ids).logits
-    assert "2 mlps" in status["patched"] and status["rms_norm"] in ("eager", "compiled")
+    assert "2 mlps" in status["patched"] and status["rms_norm"] in ("eager", "liger")
     assert torch.equal(before, after)
