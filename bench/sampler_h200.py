@@ -196,7 +196,7 @@ async def run(args) -> None:
         dd = torch.cat(diffs)
         log(what="logprob_agreement_vs_trainer", train_unembed=unembed, tokens=int(dd.numel()),
             mean_abs_diff=round(float(dd.mean()), 4), max_abs_diff=round(float(dd.max()), 4),
-            note="vLLM drops the lm_head LoRA by default" if unembed and args.backend == "vllm" else "")
+            note="")
     if args.backend == "vllm" and args.try_keep_unembed:
         # last: lm_head LoRA passed through to vLLM (may be refused, or break the engine)
         try:

@@ -117,7 +117,7 @@ class Settings(BaseSettings):
                     "reported by get_server_capabilities")
     vllm_max_loras: int | None = Field(None, ge=1, description="vLLM max_loras")
     vllm_max_lora_rank: int | None = Field(None, ge=1, description="vLLM max_lora_rank")
-    vllm_unembed_lora: str | None = Field(None, description="vLLM LoRA on the unembedding (see vllm_backend)")
+    vllm_unembed_lora: str | None = Field(None, description="keep (vLLM applies the lm_head LoRA, checked on first use) or fallback (such adapters are sampled with transformers); functions/sampler/backends/vllm.py")
 
     # ----- transport --------------------------------------------------------------------
     ack_wait_s: float = Field(30.0, gt=0, description="JetStream ack wait of the work consumers")

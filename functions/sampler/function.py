@@ -85,14 +85,26 @@ class SamplerFunction:
 
     def describe(self) -> dict:
         """What ``openrl status`` shows of this worker: device, base-weight dtype(s), backend
-        ("pending" until the first base model is loaded)."""
+        ("pending" until the first base model is loaded; ``vllm+hf`` once the vLLM backend
+        routed a job to transformers), and with vLLM ``unembed`` (the lm_head LoRA mode and its
+        check), ``routed`` (jobs sent to transformers, by reason) and ``fallback_error``."""
         from openrl.model.device import dtype_name
 
         engines = list(self.engines.values())
         dtypes = sorted({dtype_name(e.dtype) for e in engines if getattr(e, "dtype", None) is not None})
-        backends = sorted({type(e.backend).__name__.removesuffix("Backend").lower() for e in engines})
-        return {"device": self.device, "dtype": ",".join(dtypes) or "pending",
-                "backend": ",".join(backends) or (self.backend if self.backend != "auto" else "pending")}
+        backends = sorted({getattr(e.backend, "name", None) or type(e.backend).__name__.removesuffix("Backend").lower()
+                           for e in engines})
+        out = {"device": self.device, "dtype": ",".join(dtypes) or "pending",
+               "backend": ",".join(backends) or (self.backend if self.backend != "auto" else "pending")}
+        for e in engines:  # the vLLM backend's unembedding LoRA mode and the jobs it routed elsewhere
+            info = getattr(e.backend, "describe", lambda: {})()
+            if "unembed_check" in info:
+                out["unembed"] = f"{info['unembed_lora']}: {info['unembed_check']}"
+            if info.get("routed"):
+                out["routed"] = ", ".join(f"{k}: {v}" for k, v in sorted(info["routed"].items()))
+            if info.get("secondary_error"):
+                out["fallback_error"] = info["secondary_error"]
+        return out
 
     def alive(self) -> Status:
         """Always ``(True, "Alive")``."""

@@ -20,6 +20,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from functions.sampler.engine import TOPK_MASK_LOGPROB, SampleJob, SampleResult
 from functions.sampler.backends.vllm import (
     check_supported,
+    unsupported_field,
     prepare_adapter,
     prompt_fields,
     sampling_kwargs,
@@ -40,7 +41,9 @@ def exported(tmp_path_factory):
     cfg = Qwen3Config(vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True)
     torch.manual_seed(0)
-    e = TrainerEngine.from_base_model(Qwen3ForCausalLM(cfg))
+    base = Qwen3ForCausalLM(cfg)
+    base.save_pretrained(str(root / "base"))  # the engine the probe test samples through
+    e = TrainerEngine.from_base_model(base)
     e.create_run("full", LoraSpec(rank=4, seed=1))  # train_unembed defaults to True (Tinker)
     e.create_run("body", LoraSpec(rank=4, seed=2, train_unembed=False))
     e.create_run("head", LoraSpec(rank=4, seed=3, train_attn=False, train_mlp=False))
@@ -49,34 +52,63 @@ def exported(tmp_path_factory):
     return root
 
 
-def test_prepare_adapter_drops_lm_head(exported, tmp_path):
-    src = exported / "full"
-    path, info = prepare_adapter(src, tmp_path / "conv", unembed_lora="drop", max_rank=32)
-    assert path == tmp_path / "conv"
-    assert info["dropped"] == ["base_model.model.lm_head.lora_A.weight", "base_model.model.lm_head.lora_B.weight"]
-    cfg = json.loads((path / "adapter_config.json").read_text())
-    assert "lm_head" not in cfg["target_modules"] and "q_proj" in cfg["target_modules"]
-    before, after = load_file(str(src / "adapter_model.safetensors")), load_file(str(path / "adapter_model.safetensors"))
-    assert set(after) == set(before) - set(info["dropped"])
-    for k, v in after.items():
-        assert torch.equal(v, before[k])
-
-
-def test_prepare_adapter_passes_through(exported, tmp_path):
-    assert prepare_adapter(exported / "body", tmp_path / "x")[0] == exported / "body"  # nothing to drop
-    assert prepare_adapter(exported / "full", tmp_path / "y", unembed_lora="keep")[0] == exported / "full"
-    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+def test_prepare_adapter_keeps_the_whole_adapter(exported):
+    """Nothing is dropped any more: vLLM gets the trainer's export as it is, lm_head LoRA
+    included, and the info says whether it has one."""
+    info = prepare_adapter(exported / "full", max_rank=32)
+    assert info["unembed"] and "lm_head" in info["targets"] and info["rank"] == 4
+    assert not prepare_adapter(exported / "body")["unembed"]
+    assert prepare_adapter(exported / "head")["targets"] == ["lm_head"]
 
 
 def test_prepare_adapter_errors(exported, tmp_path):
     with pytest.raises(UserError) as ei:
-        prepare_adapter(exported / "body", tmp_path / "a", max_rank=2)
+        prepare_adapter(exported / "body", max_rank=2)
     assert ei.value.field == "model_path" and "rank 4" in str(ei.value)
     with pytest.raises(UserError):
-        prepare_adapter(tmp_path / "missing", tmp_path / "b")
-    with pytest.raises(UserError) as ei:
-        prepare_adapter(exported / "head", tmp_path / "c")  # only lm_head: nothing left
-    assert "lm_head" in str(ei.value)
+        prepare_adapter(tmp_path / "missing")
+
+
+def test_unembed_probe_moves_one_token_and_is_seen_by_an_engine_that_applies_lm_head_lora(exported, tmp_path):
+    """The start-up check's probe (write_unembed_probe) changes lm_head's lora_B in one row
+    only, by PROBE_DELTA / scaling; served by an engine that applies the lm_head LoRA (the
+    transformers backend does, exactly) the probe token's prompt logprobs move by nats, so
+    unembed_applied says yes; an engine that ignored lm_head LoRA would see equal values."""
+    import asyncio
+
+    from functions.sampler.backends.hf import HFBackend
+    from functions.sampler.backends.vllm_convert import PROBE_DELTA, unembed_applied, write_unembed_probe
+
+    token = 7
+    probe = write_unembed_probe(exported / "full", tmp_path / "probe", token)
+    a, b = load_file(str(exported / "full" / "adapter_model.safetensors")), load_file(str(probe / "adapter_model.safetensors"))
+    key = "base_model.model.lm_head.lora_B.weight"
+    diff = b[key] - a[key]
+    cfg = json.loads((exported / "full" / "adapter_config.json").read_text())
+    scaling = cfg["lora_alpha"] / cfg["r"]
+    assert float(diff[token].norm()) == pytest.approx(PROBE_DELTA / scaling, rel=1e-5)
+    assert torch.count_nonzero(diff[torch.arange(diff.shape[0]) != token]) == 0
+    assert all(torch.equal(a[k], b[k]) for k in a if k != key)
+
+    async def lps():
+        be = HFBackend(exported / "base")
+        try:
+            out = []
+            for name, d in (("full", exported / "full"), ("probe", probe)):
+                await be.load_adapter(name, d)
+                r = await be.sample(SampleJob(prompt=[token] * 9, max_tokens=1, temperature=0.0,
+                                              prompt_logprobs=True, adapter=name))
+                out.append(r.prompt_logprobs[1:])
+            return out
+        finally:
+            await be.close()
+
+    full, moved = asyncio.run(lps())
+    applied, d = unembed_applied(full, moved)
+    assert applied and d > 1.0
+    assert unembed_applied(full, list(full)) == (False, 0.0)
+    with pytest.raises(ValueError):
+        unembed_applied([], [])
 
 
 def _job(**kw) -> SampleJob:
@@ -102,6 +134,8 @@ def test_sampling_kwargs_mapping():
 
 def test_unsupported_fields_are_user_errors():
     check_supported(_job(prompt_logprobs=True, topk_prompt_logprobs=2))
+    assert unsupported_field(_job(prompt_logprobs=True)) is None
+    assert unsupported_field(_job(target_prompt_ids=[[1], [2], [3]])) == "target_prompt_logprobs"
     with pytest.raises(UserError) as ei:
         check_supported(_job(target_prompt_ids=[[1], [2], [3]]))
     assert ei.value.field == "target_prompt_logprobs"

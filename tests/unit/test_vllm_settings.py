@@ -67,6 +67,8 @@ def test_engine_leaves_the_batch_width_to_the_backend(monkeypatch, tmp_path):
     seen = {}
 
     class Fake:
+        limits = None
+
         def __init__(self, base_model_dir, **kw):
             seen.update(kw)
 

@@ -2,7 +2,8 @@
 
 ``hf`` (:mod:`functions.sampler.backends.hf`): transformers with its own continuous batching,
 CPU or one GPU. ``vllm`` (:mod:`functions.sampler.backends.vllm`): vLLM's ``AsyncLLM`` on a
-GPU. Both implement :class:`functions.sampler.types.SamplerBackend` and import only the
+GPU, inside a :class:`functions.sampler.backends.routed.RoutedBackend` that sends the jobs vLLM
+cannot serve exactly to a transformers backend started on first need. Both implement :class:`functions.sampler.types.SamplerBackend` and import only the
 sampler's types (never the engine); they are imported lazily here, so importing this package
 pulls in neither transformers nor vLLM.
 """
@@ -35,8 +36,9 @@ def make_backend(
     Args:
         kind: ``"hf"`` (:mod:`functions.sampler.backends.hf`), ``"vllm"`` (module
             ``functions.sampler.backends.vllm``, class ``VLLMBackend``, same keyword
-            arguments), or ``"auto"``: vLLM when a CUDA device is present and ``vllm`` is
-            importable, else transformers.
+            arguments, wrapped in a ``RoutedBackend`` with a transformers backend for what
+            vLLM cannot do), or ``"auto"``: vLLM when a CUDA device is present and ``vllm``
+            is importable, else transformers.
         base_model_dir: local Hugging Face model directory (config, safetensors, tokenizer).
         max_batch_rows: most sequences decoded together; None = the backend's default
             (transformers 64; vLLM 256 or ``$OPENRL_SAMPLER_MAX_NUM_SEQS``, so that 128
@@ -61,8 +63,17 @@ def make_backend(
 
         return HFBackend(base_model_dir, **kwargs)
     if kind == "vllm":
+        from functions.sampler.backends.routed import RoutedBackend
+
         mod = importlib.import_module(VLLM_MODULE)
-        return mod.VLLMBackend(base_model_dir, **kwargs)
+        primary = mod.VLLMBackend(base_model_dir, **kwargs)
+
+        def make_hf():
+            from functions.sampler.backends.hf import HFBackend
+
+            return HFBackend(base_model_dir, device=device, dtype=dtype, max_context=primary.limits.max_context)
+
+        return RoutedBackend(primary, make_hf)
     raise ValueError(f"unknown sampler backend {kind!r} (expected 'auto', 'hf' or 'vllm')")
 
 

@@ -14,12 +14,17 @@ slots and ``max_cpu_loras`` in host memory, swapping by LRU. Keys are immutable 
 paths, so an id never needs reloading.
 
 The unembedding (``lm_head``) LoRA that the trainer writes when ``train_unembed`` is on
-(Tinker's default) is *dropped with a warning* by default (``unembed_lora="drop"``): vLLM
-0.24 lists ``lm_head`` among Qwen3's LoRA modules, but on a tied-embedding model its
-``lm_head`` is the input embedding and whether the delta is applied to the logits was not
-verified (docs/benchmarks.md, "H200 (issue 8)"). Dropping it changes the sampled
-distribution by exactly that delta; the logprobs returned are then those of the adapter
-without its unembedding part. ``unembed_lora="keep"`` passes it through untouched.
+(Tinker's default) is served whole: vLLM wraps the logits processor in
+``LogitsProcessorWithLoRA`` (also on Qwen3's tied embeddings, where ``lm_head`` is the input
+embedding module) and adds ``(h A^T) B^T * alpha / r`` to the logits, as the trainer does.
+Because a vLLM that silently ignored that LoRA would sample a different policy than the one
+trained (issue 22: 0.56 nats after 5 steps), the first adapter with an unembedding LoRA
+triggers a check (:meth:`VLLMBackend._check_unembed`): the same adapter with one token's
+unembedding row pushed by :data:`PROBE_DELTA` nats must change that token's prompt logprobs.
+If it does not (or the check fails), ``unembed_lora`` becomes ``"fallback"``: jobs on such
+adapters go to the transformers backend (:class:`functions.sampler.backends.routed.RoutedBackend`),
+which applies it exactly; ``openrl status`` shows which. ``OPENRL_VLLM_UNEMBED_LORA=fallback``
+chooses that from the start. Nothing is ever dropped.
 
 Numerics: vLLM's default ``logprobs_mode="raw_logprobs"`` returns ``log_softmax`` of the raw
 logits in float32 (before temperature / top-k / top-p), the formula of
@@ -29,24 +34,26 @@ the model runs in its config dtype (bf16), as the trainer on GPU does.
 The serving knobs are in ``vllm_settings.py``, the CPU-side conversions (adapters, sampling
 parameters, outputs) in ``vllm_convert.py``; both are re-exported here.
 
-Not supported here (a ``UserError`` naming the field): ``target_prompt_logprobs`` and
-``prompt_alt_tokens_k`` (no vLLM equivalent). Everything else of ``SampleJob`` maps onto
+No vLLM equivalent: ``target_prompt_logprobs`` and ``prompt_alt_tokens_k``;
+:meth:`VLLMBackend.route_reason` names them, and the routed backend sends such jobs to the
+transformers backend (called directly, :meth:`VLLMBackend.sample` refuses them with a
+``UserError`` naming the field). Everything else of ``SampleJob`` maps onto
 ``SamplingParams``: stop token ids (EOS handled as one of them, ``ignore_eos=True``, so
 ``stop=[]`` really never stops), stop strings (need the model directory's tokenizer),
 ``topk_*_logprobs`` (``logprobs`` / ``prompt_logprobs`` = K, ranks re-sorted), per-sample
 seeds (``seed`` set: one request per sample with seed ``row_seed(seed, i)``, as the
-transformers backend; unseeded jobs use one request with ``n = num_samples``).
+transformers backend; unseeded jobs use one request with ``n = num_samples``, except when
+prompt logprobs are asked for: then one request per sample, the first with
+``prompt_logprobs``, so vLLM's parallel sampling never carries prompt logprobs).
 """
 
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 import uuid
 from pathlib import Path
@@ -56,12 +63,16 @@ import torch
 
 from functions.sampler.backends.common import has_tokenizer_files, load_tokenizer, row_seed
 from functions.sampler.backends.vllm_convert import (
+    PROBE_DELTA,
     check_supported,
     model_limits,
     prepare_adapter,
     prompt_fields,
     sampling_kwargs,
     sequence_from_output,
+    unembed_applied,
+    unsupported_field,
+    write_unembed_probe,
 )
 from functions.sampler.backends.vllm_settings import (
     CUDAGRAPH_SIZES,
@@ -106,12 +117,14 @@ class VLLMBackend:
             CUDA graphs; env ``OPENRL_SAMPLER_GPU_MEMORY``, older name ``OPENRL_VLLM_GPU_UTIL``;
             default 0.40, :data:`DEFAULT_GPU_MEMORY`: the embedded stack's trainer shares the
             GPU; a sampler alone on its GPU sets 0.85-0.9).
-        unembed_lora: ``"drop"`` (default) or ``"keep"`` (see the module docstring; env
-            ``OPENRL_VLLM_UNEMBED_LORA``).
+        unembed_lora: ``"keep"`` (default: vLLM applies the lm_head LoRA, checked on the
+            first such adapter) or ``"fallback"`` (jobs on such adapters go to the
+            transformers backend); see the module docstring; env ``OPENRL_VLLM_UNEMBED_LORA``.
         enforce_eager: disable CUDA graphs / torch.compile (faster start, slower decode).
         engine_kwargs: extra ``AsyncEngineArgs`` fields (e.g. ``compilation_config``);
             CUDA-graph capture sizes default to :func:`capture_sizes` of ``max_num_seqs``.
-        cache_dir: where converted adapter copies go (default: a temporary directory).
+        cache_dir: where the unembedding check writes its probe adapter (default: a
+            temporary directory).
 
     vLLM's compile cache goes to ``$OPENRL_HOME/cache/vllm`` unless ``VLLM_CACHE_ROOT`` is
     set (:func:`configure_vllm_env`).
@@ -141,11 +154,11 @@ class VLLMBackend:
         settings = engine_settings(max_batch_rows=max_batch_rows, max_loras=max_loras, max_lora_rank=max_lora_rank,
                                    max_cpu_loras=max_cpu_loras, gpu_memory_utilization=gpu_memory_utilization,
                                    enforce_eager=enforce_eager, engine_kwargs=engine_kwargs)
-        unembed_lora = unembed_lora or Settings().vllm_unembed_lora or "drop"
+        unembed_lora = unembed_lora or Settings().vllm_unembed_lora or "keep"
         if not str(device).startswith("cuda"):
             raise ValueError(f"the vLLM sampler backend needs a CUDA device, got {device!r}")
-        if unembed_lora not in ("drop", "keep"):
-            raise ValueError(f"unembed_lora must be 'drop' or 'keep', got {unembed_lora!r}")
+        if unembed_lora not in ("keep", "fallback"):
+            raise ValueError(f"unembed_lora (OPENRL_VLLM_UNEMBED_LORA) must be 'keep' or 'fallback', got {unembed_lora!r}")
         self.base_model_dir = Path(base_model_dir)
         cfg = json.loads((self.base_model_dir / "config.json").read_text())
         if not cfg.get("architectures"):
@@ -161,6 +174,10 @@ class VLLMBackend:
         self.limits = model_limits(self.base_model_dir, max_context, has_tok, self.tokenizer)
         self.max_lora_rank = int(settings["max_lora_rank"])
         self.unembed_lora = unembed_lora
+        #: the unembedding check's outcome: "not run", "applied (max |d| ...)", "failed: ..."
+        self.unembed_check = "not run" if unembed_lora == "keep" else "off (OPENRL_VLLM_UNEMBED_LORA=fallback)"
+        self._unembed_lock = asyncio.Lock()
+        self._unembed_keys: set[str] = set()  # adapters with an lm_head LoRA
         self._tmp = None
         if cache_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="openrl-vllm-loras-")
@@ -188,19 +205,24 @@ class VLLMBackend:
     # ------------------------------------------------------------------ adapters
 
     async def load_adapter(self, key: str, directory: Path) -> None:
-        """Convert if needed (see :func:`prepare_adapter`) and register with vLLM.
+        """Check (see :func:`prepare_adapter`) and register with vLLM; the first adapter with
+        an unembedding LoRA also runs :meth:`_check_unembed`.
 
         Raises:
             UserError("model_path", ...): unusable adapter (vLLM's own error included).
         """
-        from vllm.lora.request import LoRARequest
-
         if key in self._ids:
             return
-        dst = self.cache_dir / hashlib.sha256(key.encode()).hexdigest()[:32]
-        path, info = await asyncio.to_thread(
-            prepare_adapter, Path(directory), dst, unembed_lora=self.unembed_lora, max_rank=self.max_lora_rank
-        )
+        info = await asyncio.to_thread(prepare_adapter, Path(directory), max_rank=self.max_lora_rank)
+        await self._register(key, Path(directory))
+        if info["unembed"]:
+            self._unembed_keys.add(key)
+            if self.unembed_lora == "keep" and self.unembed_check == "not run":
+                await self._check_unembed(key, Path(directory))
+
+    async def _register(self, key: str, path: Path) -> None:
+        from vllm.lora.request import LoRARequest
+
         lid = self._next_id
         self._next_id += 1
         req = LoRARequest(lora_name=key, lora_int_id=lid, lora_path=str(path))
@@ -213,18 +235,72 @@ class VLLMBackend:
         self._ids[key] = lid
         self._requests[key] = req
 
+    async def _check_unembed(self, key: str, directory: Path) -> None:
+        """Does this vLLM apply the unembedding LoRA? Sample the prompt logprobs of a probe
+        token under adapter ``key`` and under its :func:`write_unembed_probe` copy (that
+        token's unembedding row pushed by :data:`PROBE_DELTA` nats); equal logprobs mean the
+        lm_head LoRA is ignored, and ``unembed_lora`` becomes ``"fallback"`` (logged as an
+        error, shown by ``openrl status``). Runs once; never raises."""
+        async with self._unembed_lock:
+            if self.unembed_check != "not run":
+                return
+            probe_key = f"openrl-unembed-probe:{key}"
+            try:
+                token = min(1000, self.limits.vocab_size - 1)
+                dst = self.cache_dir / "unembed-probe"
+                await asyncio.to_thread(write_unembed_probe, directory, dst, token)
+                await self._register(probe_key, dst)
+                lps = []
+                for k in (key, probe_key):
+                    res = await self.sample(SampleJob(prompt=[token] * 9, max_tokens=1, temperature=0.0,
+                                                      prompt_logprobs=True, adapter=k))
+                    lps.append([float(x) for x in res.prompt_logprobs[1:]])
+                ok, d = unembed_applied(*lps)
+                if ok:
+                    self.unembed_check = f"applied (probe moved logprobs by up to {d:.2f} nats, aimed {PROBE_DELTA:.0f})"
+                    log.info("vLLM applies the unembedding LoRA: %s", self.unembed_check)
+                else:
+                    self.unembed_check = (f"failed: vLLM ignored the lm_head LoRA (max |d| {d:.2g} nats); "
+                                          "those adapters are served by the transformers backend")
+            except Exception as e:
+                self.unembed_check = f"failed: the check raised {type(e).__name__}: {str(e)[:200]}"
+            finally:
+                if probe_key in self._ids:
+                    await self.unload_adapter(probe_key)
+            if self.unembed_check.startswith("failed"):
+                self.unembed_lora = "fallback"
+                log.error("unembedding LoRA check %s", self.unembed_check)
+
+    # ------------------------------------------------------------------ routing
+
+    name = "vllm"
+
+    def route_reason(self, job: SampleJob) -> str | None:
+        """Why this backend should not serve ``job`` (the routed backend then gives it to the
+        transformers backend), or None: a field without vLLM equivalent
+        (:func:`unsupported_field`), or ``"lm_head LoRA"`` for an adapter with an unembedding
+        LoRA when ``unembed_lora`` is ``"fallback"``."""
+        field = unsupported_field(job)
+        if field is not None:
+            return field
+        if self.unembed_lora == "fallback" and job.adapter in self._unembed_keys:
+            return "lm_head LoRA"
+        return None
+
+    def describe(self) -> dict:
+        """``{"unembed_lora": mode, "unembed_check": outcome}`` for ``openrl status``."""
+        return {"unembed_lora": self.unembed_lora, "unembed_check": self.unembed_check}
+
     async def unload_adapter(self, key: str) -> None:
-        """Remove adapter ``key`` from vLLM and delete its converted copy (no-op if absent)."""
+        """Remove adapter ``key`` from vLLM (no-op if absent)."""
         lid = self._ids.pop(key, None)
         self._requests.pop(key, None)
+        self._unembed_keys.discard(key)
         if lid is not None:
             try:
                 await self.engine.remove_lora(lid)
             except Exception:  # already evicted from vLLM's caches
                 log.debug("remove_lora(%s) failed", lid, exc_info=True)
-        dst = self.cache_dir / hashlib.sha256(key.encode()).hexdigest()[:32]
-        if dst.exists():
-            await asyncio.to_thread(shutil.rmtree, dst, True)
 
     # ------------------------------------------------------------------ sampling
 
@@ -242,6 +318,9 @@ class VLLMBackend:
         if self._closed:
             raise ServerError("the sampler backend is closed")
         check_supported(job)
+        if self.unembed_lora == "fallback" and job.adapter in self._unembed_keys:
+            raise ServerError("this vLLM does not apply the adapter's lm_head LoRA (" + self.unembed_check
+                              + "); the routed sampler backend serves such adapters with transformers")
         lora = None
         if job.adapter is not None:
             lora = self._requests.get(job.adapter)
@@ -255,6 +334,8 @@ class VLLMBackend:
         prompt = TokensPrompt(prompt_token_ids=list(job.prompt))
         if job.seed is not None:
             specs = [dict(n=1, seed=row_seed(int(job.seed), i)) for i in range(job.num_samples)]
+        elif want_prompt and job.num_samples > 1:  # no prompt logprobs through vLLM's parallel sampling
+            specs = [dict(n=1, seed=None) for _ in range(job.num_samples)]
         else:
             specs = [dict(n=job.num_samples, seed=None)]
         if want_prompt:
@@ -304,6 +385,7 @@ __all__ = [
     "capture_sizes",
     "check_supported",
     "configure_vllm_env",
+    "unsupported_field",
     "engine_settings",
     "prepare_adapter",
     "prompt_fields",

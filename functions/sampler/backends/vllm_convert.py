@@ -1,5 +1,5 @@
 """The vLLM backend's CPU-side conversions (no vLLM import): trainer adapters to vLLM-ready
-PEFT directories (the ``lm_head`` LoRA dropped or kept), ``SampleJob`` to ``SamplingParams``
+PEFT directories checked (and the unembedding probe of the start-up check), ``SampleJob`` to ``SamplingParams``
 keyword arguments, vLLM outputs to ``SampleResult`` fields, and the model limits read from
 ``config.json``.
 
@@ -32,30 +32,25 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------- adapters
 
 
-def prepare_adapter(
-    src: Path, dst: Path, *, unembed_lora: str = "drop", max_rank: int | None = None
-) -> tuple[Path, dict]:
-    """Make a PEFT adapter directory loadable by vLLM.
+def prepare_adapter(src: Path, *, max_rank: int | None = None) -> dict:
+    """Check that a PEFT adapter directory is one vLLM can load whole, and describe it.
+
+    Nothing is converted: vLLM reads the trainer's export as it is, the unembedding
+    (``lm_head``) LoRA included (vLLM wraps the logits processor in
+    ``LogitsProcessorWithLoRA``, also when ``lm_head`` is tied to the input embedding).
 
     Args:
         src: directory with ``adapter_model.safetensors`` + ``adapter_config.json`` (the
             trainer's export: float32 ``base_model.model.<path>.lora_{A,B}.weight``).
-        dst: where a converted copy is written when one is needed (created; replaced).
-        unembed_lora: ``"drop"``: remove ``lm_head`` LoRA tensors and the ``lm_head`` target
-            (warning logged); ``"keep"``: leave them.
         max_rank: the engine's ``max_lora_rank``; a larger ``r`` is a ``UserError``.
 
     Returns:
-        ``(directory to give vLLM, info)``: ``src`` itself when nothing had to change, else
-        ``dst``; info = ``{"rank", "alpha", "targets", "dropped": [tensor names]}``.
+        ``{"rank", "alpha", "targets", "unembed": whether it adapts lm_head}``.
 
     Raises:
-        UserError("model_path", ...): files missing/unreadable, rank too large, or nothing
-            left to adapt after dropping.
+        UserError("model_path", ...): files missing/unreadable, or rank too large.
     """
-    from safetensors.torch import load_file, save_file
-
-    src, dst = Path(src), Path(dst)
+    src = Path(src)
     wpath, cpath = src / ADAPTER_WEIGHTS_NAME, src / ADAPTER_CONFIG_NAME
     if not wpath.is_file() or not cpath.is_file():
         raise UserError("model_path", f"{src} holds no PEFT adapter ({ADAPTER_WEIGHTS_NAME} + {ADAPTER_CONFIG_NAME})")
@@ -65,54 +60,103 @@ def prepare_adapter(
     except Exception as e:
         raise UserError("model_path", f"unreadable adapter config in {src}: {e}") from None
     if max_rank is not None and rank > max_rank:
-        raise UserError("model_path", f"adapter rank {rank} exceeds the sampler's max_lora_rank {max_rank}")
+        raise UserError("model_path", f"adapter rank {rank} exceeds the sampler's max_lora_rank {max_rank} "
+                        "(OPENRL_VLLM_MAX_LORA_RANK)")
     targets = cfg.get("target_modules") or []
     if isinstance(targets, str):
         targets = [targets]
-    info = {"rank": rank, "alpha": cfg.get("lora_alpha"), "targets": sorted(targets), "dropped": []}
-    has_unembed = any(str(t).rsplit(".", 1)[-1] == UNEMBED_TARGET for t in targets)
-    if unembed_lora == "keep" or not has_unembed:
-        return src, info
-    if unembed_lora != "drop":
-        raise ValueError(f"unembed_lora must be 'drop' or 'keep', got {unembed_lora!r}")
+    unembed = any(str(t).rsplit(".", 1)[-1] == UNEMBED_TARGET for t in targets)
+    return {"rank": rank, "alpha": cfg.get("lora_alpha"), "targets": sorted(targets), "unembed": unembed}
+
+
+#: Size (nats) of the logit change on the probe token that :func:`write_unembed_probe` aims
+#: for, and the least change :func:`unembed_applied` accepts as "applied".
+PROBE_DELTA, PROBE_MIN_EFFECT = 8.0, 0.05
+
+
+def write_unembed_probe(src: Path, dst: Path, token: int, seed: int = 0) -> Path:
+    """A copy of adapter ``src`` whose unembedding LoRA moves token ``token``'s logit a lot.
+
+    ``lora_B`` of ``lm_head`` ([V, r]) gets ``PROBE_DELTA / scaling * u`` added to row
+    ``token`` (``u`` a seeded random unit vector in rank space, scaling = alpha / r), so the
+    probe's logit of ``token`` differs from ``src``'s by ``PROBE_DELTA * u . (A h)`` at every
+    position, about ``PROBE_DELTA`` nats for a unit-scale ``A h`` (A is the trainer's random
+    init, never zero), while every other logit is unchanged. Everything else is copied.
+
+    Returns:
+        ``dst`` (created or replaced).
+
+    Raises:
+        UserError("model_path", ...): ``src`` has no lm_head LoRA or is unreadable.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
     try:
-        sd = load_file(str(wpath))
+        sd = load_file(str(src / ADAPTER_WEIGHTS_NAME))
+        cfg = json.loads((src / ADAPTER_CONFIG_NAME).read_text())
     except Exception as e:
-        raise UserError("model_path", f"cannot read adapter weights in {src}: {e}") from None
-
-    def is_unembed(k: str) -> bool:  # base_model.model.lm_head.lora_{A,B}[.default].weight
-        parts = k.split(".")
-        return UNEMBED_TARGET in parts and ("lora_A" in parts or "lora_B" in parts)
-
-    dropped = sorted(k for k in sd if is_unembed(k))
-    kept = {k: v for k, v in sd.items() if k not in dropped}
-    new_targets = [t for t in targets if str(t).rsplit(".", 1)[-1] != UNEMBED_TARGET]
-    if not new_targets or not kept:
-        raise UserError("model_path", "the adapter only adapts lm_head, which the vLLM sampler does not apply")
-    log.warning(
-        "adapter %s: dropping %d lm_head LoRA tensors for vLLM (unembed_lora='drop'); samples and "
-        "logprobs use the adapter without its unembedding delta", src, len(dropped)
-    )
-    cfg = dict(cfg, target_modules=new_targets)
+        raise UserError("model_path", f"cannot read adapter in {src}: {e}") from None
+    keys = [k for k in sd if k.split(".")[-3:-1] == [UNEMBED_TARGET, "lora_B"]
+            or k.split(".")[-4:-2] == [UNEMBED_TARGET, "lora_B"]]
+    if not keys:
+        raise UserError("model_path", f"{src} has no lm_head LoRA")
+    r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha") or cfg["r"])
+    scaling = alpha / r if not cfg.get("use_rslora") else alpha / r ** 0.5
+    g = torch.Generator().manual_seed(seed)
+    for k in keys:
+        b = sd[k].clone()
+        u = torch.randn(b.shape[1], generator=g)
+        b[token] += (PROBE_DELTA / scaling) * u / u.norm()
+        sd[k] = b.to(sd[k].dtype)
     if dst.exists():
         shutil.rmtree(dst)
     dst.mkdir(parents=True)
-    save_file(kept, str(dst / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+    save_file(sd, str(dst / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
     (dst / ADAPTER_CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True))
-    info["dropped"] = dropped
-    info["targets"] = sorted(new_targets)
-    return dst, info
+    return dst
+
+
+def unembed_applied(lp_adapter: list[float], lp_probe: list[float]) -> tuple[bool, float]:
+    """Did the engine apply the unembedding LoRA? Given the probe token's prompt logprobs
+    under the adapter and under its :func:`write_unembed_probe` copy (same positions), the
+    answer is yes when they differ by more than :data:`PROBE_MIN_EFFECT` nats somewhere
+    (an engine that ignores ``lm_head`` LoRA returns identical values).
+
+    Returns:
+        ``(applied, max |difference| in nats)``.
+
+    Raises:
+        ValueError: the lists are empty or of different lengths.
+    """
+    if not lp_adapter or len(lp_adapter) != len(lp_probe):
+        raise ValueError(f"need equal, non-empty lists, got {len(lp_adapter)} and {len(lp_probe)}")
+    d = max(abs(float(a) - float(b)) for a, b in zip(lp_adapter, lp_probe))
+    return d > PROBE_MIN_EFFECT, d
 
 
 # ---------------------------------------------------------------------------- requests
 
 
-def check_supported(job: SampleJob) -> None:
-    """Raise ``UserError`` for job fields the vLLM backend cannot serve."""
+def unsupported_field(job: SampleJob) -> str | None:
+    """The first field of ``job`` that vLLM has no equivalent for (``target_prompt_logprobs``,
+    ``prompt_alt_tokens_k``), or None. The sampler routes such jobs to its transformers
+    backend (:class:`functions.sampler.backends.routed.RoutedBackend`)."""
     if job.target_prompt_ids is not None:
-        raise UserError("target_prompt_logprobs", "not supported by the vLLM sampler backend")
+        return "target_prompt_logprobs"
     if job.prompt_alt_tokens_k:
-        raise UserError("prompt_alt_tokens_k", "not supported by the vLLM sampler backend")
+        return "prompt_alt_tokens_k"
+    return None
+
+
+def check_supported(job: SampleJob) -> None:
+    """Raise ``UserError`` for job fields the vLLM backend cannot serve by itself (see
+    :func:`unsupported_field`; the routed backend never sends it such jobs)."""
+    field = unsupported_field(job)
+    if field is not None:
+        raise UserError(field, "not supported by the vLLM sampler backend alone (the sampler routes such "
+                        "jobs to its transformers backend)")
 
 
 def sampling_kwargs(job: SampleJob, stop_ids: frozenset[int], stop_strs: tuple[str, ...]) -> dict:
@@ -238,9 +282,14 @@ def model_limits(model_dir: Path, max_context: int | None, has_tokenizer: bool, 
 
 
 __all__ = [
+    "PROBE_DELTA",
+    "PROBE_MIN_EFFECT",
     "check_supported",
     "model_limits",
     "prepare_adapter",
+    "unembed_applied",
+    "unsupported_field",
+    "write_unembed_probe",
     "prompt_fields",
     "sampling_kwargs",
     "sequence_from_output",
