@@ -43,7 +43,7 @@ class ModelLoadError(ServerError):
 
     def __init__(self, name: str, path: str | os.PathLike, cause: str, retry_s: float):
         when = "the next request tries again" if retry_s <= 0 else (
-            f"tried again when the directory changes or {retry_s:g} s after the failure (OPENRL_MODEL_RETRY_S)")
+            f"kept: loaded again once its files change or {retry_s:g} s after the failure, OPENRL_MODEL_RETRY_S")
         super().__init__(f"base model {name!r} cannot be loaded from {path}: {cause} ({when})")
         self.name, self.path, self.cause = name, str(path), cause
 
