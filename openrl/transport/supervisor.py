@@ -17,22 +17,23 @@
   :attr:`Supervisor.fatal` names it and the stack stops.
 - **Workers that cannot start.** A trainer or sampler that dies before it pulls from its work
   consumer (state ``starting``: an import error, a setting its ``start()`` refuses, a crash
-  while loading) failed its start. The cause is the last error line it wrote to its log
-  since it started (:func:`openrl.transport.startfailures.start_error`: the
-  ``[<module>] start failed: ...`` line of :mod:`openrl.transport.worker`, else a
-  traceback's last line), else its exit. After
-  ``start_failures`` (3; ``OPENRL_START_FAILURES``) failed starts in a row with the same cause
-  (digits aside; twice as many with any causes) the function is **failing**: between start
-  attempts the supervisor drains its consumer and fails each queued or new request's future
-  with category ``"server"`` and the start error (:func:`openrl.transport.startfailures.drain`, through the
-  dead-letter path :func:`openrl.transport.bindings.deadletter.fail_undelivered`), instead of
-  letting the SDK wait for ever; the seq_ids of the trainer requests (and the skips) it
-  drained are published as skips once the trainer is up again, so those runs go on. It keeps
-  trying to start the worker every ``failing_retry_s`` (60 s; ``OPENRL_FAILING_RETRY_S``)
-  instead of the backoff; requests arriving during an attempt wait for it. The first attempt
-  that pulls clears the state: the function recovers by itself once the cause is gone.
-  ``openrl status`` shows the process as ``failing`` with the ``error``; the gauge
-  ``openrl_function_failing{function=...}`` is 1 meanwhile.
+  while loading) failed its start. The cause is the last error line it wrote to its log since
+  it started (:func:`openrl.transport.startfailures.start_error`: the ``[<module>] start
+  failed: ...`` line of :mod:`openrl.transport.worker`, else a traceback's last line), else
+  its exit. After ``start_failures`` (3; ``OPENRL_START_FAILURES``) failed starts in a row
+  with the same cause (numbers aside; twice as many with any causes) the function is
+  **failing**: between start attempts the supervisor drains its consumer and fails each
+  queued or new request's future with category ``"server"`` and the start error
+  (:func:`openrl.transport.startfailures.drain`, through the dead-letter path's
+  :func:`~openrl.transport.bindings.deadletter.fail_undelivered`) instead of letting the SDK
+  wait for ever; the seq_ids of the training requests (and the skips) it drained are
+  published as skips once the trainer is up again, so those runs go on. Start attempts go on
+  every ``failing_retry_s`` (60 s; ``OPENRL_FAILING_RETRY_S``) instead of the backoff;
+  requests arriving during an attempt wait for it. The first attempt that pulls ends the
+  failing state: the function recovers by itself once the cause is gone. ``openrl status``
+  shows the process as ``failing`` with the ``error``; the gauge
+  ``openrl_function_failing{function=...}`` is 1 meanwhile. (With ``--push`` the functions
+  have no consumer here: they are only restarted.)
 - **Scale to zero.** With ``idle_timeout_s`` > 0, a JetStream worker (trainer, sampler) whose
   durable consumer had no pending and no unacked message (``consumer_info``'s
   ``num_pending + num_ack_pending``) for ``idle_timeout_s`` seconds gets SIGTERM: it stops
@@ -207,8 +208,8 @@ class Supervisor:
                         ["function"], registry=self.registry)
         self.idle = Gauge("openrl_function_idle_seconds", "seconds since the function's work consumer last "
                           "held a pending or unacked message", ["function"], registry=self.registry)
-        self.failing_gauge = Gauge("openrl_function_failing", "1 while the function's worker cannot start and its "
-                             "requests fail with the start error", ["function"], registry=self.registry)
+        self.failing_gauge = Gauge("openrl_function_failing", "1 while the function's worker cannot start and "
+                                   "its requests fail with the start error", ["function"], registry=self.registry)
         for m in managed:
             self.restarts_total.labels(m.name)
             self.failing_gauge.labels(m.name).set(0)

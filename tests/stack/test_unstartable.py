@@ -133,7 +133,8 @@ def test_a_model_that_cannot_load_fails_its_own_requests_only(ustack, capsys):
     shutil.copy(ustack.good_dir / "model.safetensors", ustack.bad_dir / "model.safetensors")
     fixed = svc.create_lora_training_client(base_model=BAD, rank=4).result(timeout=LOST_S)
     _step(fixed, 0)
-    assert _sample(svc.create_sampling_client(base_model=BAD).result(timeout=LOST_S)).result(timeout=LOST_S).sequences[0].tokens
+    fixed_sc = svc.create_sampling_client(base_model=BAD).result(timeout=LOST_S)
+    assert _sample(fixed_sc).result(timeout=LOST_S).sequences[0].tokens
     assert sup.proc("trainer") is trainer and sup.proc("sampler") is sampler
 
 

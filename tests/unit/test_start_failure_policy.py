@@ -103,7 +103,8 @@ def _die_and_tick(sup: Supervisor, m: Managed) -> None:
 
 def test_a_worker_failing_its_start_three_times_with_one_cause_is_failing_then_recovers(procs, tmp_path):
     cause = "ValueError: OPENRL_DEVICE=cuda:7: torch sees 0 CUDA devices (pid 4242)"
-    sup, m = _supervisor(procs, tmp_path, _worker(tmp_path / "sampler.log", f"[functions.sampler] start failed: {cause}"))
+    line = f"[functions.sampler] start failed: {cause}"
+    sup, m = _supervisor(procs, tmp_path, _worker(tmp_path / "sampler.log", line))
     for n in (1, 2):
         _die_and_tick(sup, m)  # died while starting; backoff 0 s: started again in the same check
         assert m.failing is None and m.start_fails == n and m.state == STARTING and m.cause == cause
