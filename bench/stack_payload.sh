@@ -50,6 +50,10 @@ if [ "${SKIP_GPU:-0}" != 1 ]; then
   done
   rm -rf .gpu && mkdir -p .gpu/wheels .gpu/tok
   python3 -m pip download -q --no-deps "${PLAT[@]}" -d .gpu/wheels "${pins[@]}"
+  # not in the CPU .venv: the trainer's fused Triton kernels (openrl/model/kernels.py; the image has
+  # triton 3.6) and what the GPU conformance run's pytest needs beyond the image's pytest
+  python3 -m pip download -q --no-deps "${PLAT[@]}" -d .gpu/wheels "liger-kernel==${LIGER_VERSION:-0.8.5}" \
+    $(grep -i -E "^pytest-asyncio==" <<<"$freeze" || echo pytest-asyncio)
   for f in tokenizer.json tokenizer_config.json chat_template.jinja generation_config.json; do
     [ -f "$TOK/$f" ] && cp "$TOK/$f" .gpu/tok/
   done

@@ -80,6 +80,9 @@ class Settings(BaseSettings):
     device: str | None = Field(None, description="auto | cpu | cuda | cuda:N (None: auto, openrl.model.device)")
     preload: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="base-model names to load at start (comma-separated in the env)")
+    model_retry_s: float = Field(60.0, ge=0, description="a base model that failed to load fails its requests "
+                                 "at once for this long, unless its directory changes; then the next request loads "
+                                 "it again (0 = every request tries)")
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads; default half the cores")
     internal_token: str | None = Field(None, description="shared secret of the gateway's /events/* sinks")
 
@@ -128,6 +131,11 @@ class Settings(BaseSettings):
                                     "the sampler reads them locally instead of downloading them back")
     idle_timeout: float = Field(300.0, ge=0, description="embedded stack (openrl serve / run): seconds a worker's "
                                 "queue stays empty before it is stopped (scale to zero); 0 = keep it up")
+    start_failures: int = Field(3, ge=1, description="embedded stack: failed starts of a worker in a row with the "
+                                "same cause (twice as many with any causes) after which its function is failing: "
+                                "its queued and new requests fail with the start error")
+    failing_retry_s: float = Field(60.0, gt=0, description="embedded stack: seconds between two start attempts "
+                                   "of a failing worker")
     host: str = Field("0.0.0.0", description="HTTP binding's listen address")
     port: int = Field(8080, validation_alias=_env("PORT"), description="HTTP binding's port ($PORT, Knative)")
 

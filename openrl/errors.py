@@ -82,3 +82,11 @@ class NotSupported(UserError):
     def __init__(self, feature: str, message: str):
         super().__init__(feature, f"not supported by this server: {message}")
         self.feature = feature
+
+
+def first_line(exc: BaseException) -> str:
+    """``"<ExceptionType>: <first non-empty line of its message>"`` (``"<ExceptionType>"`` for an
+    empty message): the one line of an error that a failed future or ``openrl status`` carries."""
+    lines = [s.strip() for s in str(exc).splitlines() if s.strip()]
+    name = type(exc).__name__
+    return f"{name}: {lines[0]}" if lines else name

@@ -24,6 +24,7 @@ from openrl.observe import metrics, startup
 
 from openrl.edge import proto
 from openrl.errors import UserError
+from openrl.model.loadfailures import LoadFailures, ModelLoadError, describe_failures
 from openrl.model.registry import ModelRegistry
 from openrl.storage import TinkerPath, open_storage
 
@@ -40,6 +41,7 @@ class SamplerFunction:
         self._engine_lock = asyncio.Lock()
         self.stability = None  # StabilityStore (openrl/transport/stability.py)
         self.nats_url: str | None = None
+        self.load_failures = LoadFailures()  # base models that failed to load (openrl/model/loadfailures.py)
 
     async def start(self, cfg: Settings | dict | None = None) -> None:
         """Open storage and the registry; load the ``preload`` base models.
@@ -53,8 +55,10 @@ class SamplerFunction:
                 ``record_stability_info``), ``storage_url`` (snapshots cached under ``cache_dir``), ``registry_path`` / ``models_path``, ``device`` (auto | cpu |
                 cuda[:N], default auto = CUDA when available, see :mod:`openrl.model.device`),
                 ``sampler_backend`` (auto | hf | vllm; auto = vLLM on CUDA when installed),
-                ``preload`` (base-model names to load now). Base weights load in the registry
-                entry's dtype (bf16 on CUDA, float32 on CPU by default).
+                ``preload`` (base-model names to load now; one that fails to load does not stop the
+                sampler: its requests fail, :mod:`openrl.model.loadfailures`), ``model_retry_s``.
+                Base weights load in the registry entry's dtype (bf16 on CUDA, float32 on CPU by
+                default).
 
         Raises:
             ValueError: a setting out of range, an unknown device, or a CUDA device where torch
@@ -72,8 +76,12 @@ class SamplerFunction:
         self.registry = registry or ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
         self.device = resolve_device(cfg.device)
         self.backend = cfg.sampler_backend
+        self.load_failures = LoadFailures(cfg.model_retry_s)
         for name in cfg.preload:
-            await self._engine(name)
+            try:
+                await self._engine(name)
+            except ModelLoadError:  # kept and logged: the model's requests fail with it, the others run
+                pass
         self._ready = True
 
     async def stop(self) -> None:
@@ -104,6 +112,9 @@ class SamplerFunction:
                 out["routed"] = ", ".join(f"{k}: {v}" for k, v in sorted(info["routed"].items()))
             if info.get("secondary_error"):
                 out["fallback_error"] = info["secondary_error"]
+        failed = describe_failures(self.load_failures)
+        if failed:
+            out["models_failed"] = failed
         return out
 
     def alive(self) -> Status:
@@ -115,6 +126,12 @@ class SamplerFunction:
         return READY if self._ready else (False, "not ready: starting (loading base models) or stopping")
 
     async def _engine(self, base_model: str):
+        """The engine of ``base_model``, loaded on first use (one load at a time).
+
+        Raises:
+            ModelLoadError: the model's directory does not load (now, or at a recent attempt that
+                :attr:`load_failures` keeps); only this model's requests fail.
+        """
         from functions.sampler.engine import SamplerEngine
 
         from openrl.model.device import resolve_dtype
@@ -123,10 +140,14 @@ class SamplerFunction:
         key = str(entry.path)
         async with self._engine_lock:
             if key not in self.engines:
+                self.load_failures.check(base_model, key)
                 dtype = resolve_dtype(getattr(entry, "dtype", None), self.device)
-                with startup.timed("sampler_engine_start"):  # vLLM: load + torch.compile + CUDA graphs
-                    engine = await asyncio.to_thread(
-                        SamplerEngine, Path(entry.path), device=self.device, dtype=dtype, backend=self.backend)
+                try:
+                    with startup.timed("sampler_engine_start"):  # vLLM: load + torch.compile + CUDA graphs
+                        engine = await asyncio.to_thread(
+                            SamplerEngine, Path(entry.path), device=self.device, dtype=dtype, backend=self.backend)
+                except Exception as exc:  # noqa: BLE001 - any load error fails this model only
+                    raise self.load_failures.record(base_model, key, exc) from exc
                 engine.dtype = dtype
                 self.engines[key] = engine
         return self.engines[key]

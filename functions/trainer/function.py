@@ -30,6 +30,7 @@ from openrl.contract.topology import SOURCE_TRAINER
 
 from openrl.edge import proto
 from openrl.errors import NotFound, ServerError, UserError
+from openrl.model.loadfailures import LoadFailures, ModelLoadError, describe_failures
 from openrl.model.registry import ModelRegistry
 from openrl.storage import CheckpointExists, TinkerPath, build_manifest, open_storage
 
@@ -59,6 +60,7 @@ class TrainerFunction:
         self.durable: RunDurability | None = None
         self.stability = None  # StabilityStore of stable_reinforce (openrl/transport/stability.py)
         self.nats_url: str | None = None
+        self.load_failures = LoadFailures()  # base models that failed to load (openrl/model/loadfailures.py)
 
     async def start(self, cfg: Settings | dict | None = None) -> None:
         """Open storage and the registry, start the scheduler and the run-state flusher,
@@ -76,7 +78,9 @@ class TrainerFunction:
                 process may allocate, for a GPU shared with a sampler; None = all),
                 ``pack_max_delay_s`` (see :class:`PackPolicy`), ``seq_gap_timeout_s``,
                 ``max_seq_ahead`` (seq_ids more than this past a run's next one fail with
-                category "user"), ``preload``, ``flush_interval_s``, ``restore_wait_s``, ``trainer_gpus`` (> 1: each
+                category "user"), ``preload`` (a model that fails to load there does not stop the
+                trainer: its requests fail, :mod:`openrl.model.loadfailures`), ``model_retry_s``,
+                ``flush_interval_s``, ``restore_wait_s``, ``trainer_gpus`` (> 1: each
                 base model's engine spans that many ranks, :func:`functions.trainer.distributed.launch`).
 
         Raises:
@@ -96,6 +100,7 @@ class TrainerFunction:
         self.registry = registry or ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
         self.device = resolve_device(cfg.device)
         self.fused_kernels = cfg.fused_kernels
+        self.load_failures = LoadFailures(cfg.model_retry_s)
         self.trainer_gpus = cfg.trainer_gpus  # > 1: FSDP2 engine over that many ranks (functions/trainer/distributed.py)
         self._limit_gpu_memory(cfg.trainer_gpu_memory)
         self.scheduler = Scheduler(
@@ -111,7 +116,10 @@ class TrainerFunction:
         self.scheduler.start()
         self.durable.start()
         for name in cfg.preload:
-            await asyncio.to_thread(self._engine_for, name)
+            try:
+                await asyncio.to_thread(self._engine_for, name)
+            except ModelLoadError:  # kept and logged: the model's requests fail with it, the others run
+                pass
         self._ready = True
 
     async def stop(self) -> None:
@@ -158,6 +166,9 @@ class TrainerFunction:
 
         dtypes = sorted({dtype_name(e.dtype) for e in self.engines.values()})
         out = {"device": self.device, "dtype": ",".join(dtypes) if dtypes else "pending", "backend": "torch"}
+        failed = describe_failures(self.load_failures)
+        if failed:
+            out["models_failed"] = failed
         if getattr(self, "gpu_memory", None):
             out["gpu_memory"] = str(self.gpu_memory)
         return out
@@ -178,7 +189,12 @@ class TrainerFunction:
 
     def _engine_for(self, base_model: str):
         """Load (once) the engine of a base model; runs in worker threads, so concurrent first
-        requests wait for one load (two at once raced in transformers' lazy imports)."""
+        requests wait for one load (two at once raced in transformers' lazy imports).
+
+        Raises:
+            ModelLoadError: the model's directory does not load (now, or at a recent attempt that
+                :attr:`load_failures` keeps); only this model's requests fail.
+        """
         from functions.trainer.engine import TrainerEngine
         from openrl.model.device import resolve_dtype
 
@@ -190,12 +206,15 @@ class TrainerFunction:
                 if getattr(self, "trainer_gpus", 1) > 1:
                     from functions.trainer.distributed import launch
 
-                    self.engines[key] = launch(Path(entry.path), self.trainer_gpus, dtype=dtype,
-                                               backend="nccl" if self.device.startswith("cuda") else "gloo",
-                                               fused_kernels=self.fused_kernels)
+                    def load():
+                        return launch(Path(entry.path), self.trainer_gpus, dtype=dtype,
+                                      backend="nccl" if self.device.startswith("cuda") else "gloo",
+                                      fused_kernels=self.fused_kernels)
                 else:
-                    self.engines[key] = TrainerEngine(Path(entry.path), device=self.device, dtype=dtype,
-                                                       fused_kernels=self.fused_kernels)
+                    def load():
+                        return TrainerEngine(Path(entry.path), device=self.device, dtype=dtype,
+                                             fused_kernels=self.fused_kernels)
+                self.engines[key] = self.load_failures.load(base_model, key, load)
         return key
 
     def _engine(self, model_id: str):

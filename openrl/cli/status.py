@@ -17,7 +17,9 @@ answers instead of tables). Runs and checkpoints are those of the API key.
 ``openrl status`` of the gateway of ``openrl serve`` / ``openrl run`` (the one its
 ``<state>/supervisor.json`` names) also shows that stack's processes, from that file
 (:mod:`openrl.transport.supervisor`): state (running / starting / stopping / scaled to zero /
-restarting), pid, idle seconds, restarts and the last exit.
+restarting / failing), pid, idle seconds, restarts, the last exit and, for a worker that
+cannot start, the start error its requests fail with. Base models that a worker failed to load
+are listed under the workers table.
 
 ``openrl status --cluster`` asks the Kubernetes API and NATS instead of a gateway
 (:mod:`openrl.cli.cluster`).
@@ -118,6 +120,12 @@ def _table(title: str, columns: list[str], rows: list[list], *, fold: tuple[str,
     return t
 
 
+def _escape(text) -> str:
+    from rich.markup import escape
+
+    return escape(str(text))
+
+
 def _size(n) -> str | None:
     if n is None:
         return None
@@ -194,15 +202,19 @@ def cmd_status(args: argparse.Namespace) -> int:
                      [[w["function"], w.get("shard"), w["state"], w.get("device"), w.get("dtype"), w.get("backend"),
                        w["num_pending"], w["num_ack_pending"], w["num_waiting"], w["num_redelivered"], w.get("idle_s")]
                       for w in status.get("workers", [])]))
+    for w in status.get("workers", []):
+        if w.get("models_failed"):
+            con.print(f"[bold]{w['function']}[/bold]: base models that failed to load (their requests fail): "
+                      f"{_escape(w['models_failed'])}")
     if sup is not None:
         idle = sup.get("idle_timeout_s")
         note = (f"idle workers stop after {idle:g} s" if idle else "workers always up") + (
             "; STALE: the stack is not running" if sup.get("stale") else "") + (
             f"; {sup['fatal']}" if sup.get("fatal") else "")
         con.print(_table(f"Processes (openrl serve supervisor: {note})",
-                         ["process", "state", "pid", "idle s", "restarts", "last exit"],
-                         [[p["name"], p["state"], p.get("pid"), p.get("idle_s"), p.get("restarts"), p.get("last_exit")]
-                          for p in sup.get("processes", [])]))
+                         ["process", "state", "pid", "idle s", "restarts", "last exit", "error"],
+                         [[p["name"], p["state"], p.get("pid"), p.get("idle_s"), p.get("restarts"), p.get("last_exit"),
+                           p.get("error")] for p in sup.get("processes", [])]))
     con.print(_table("Queues", ["stream", "messages", "size"],
                      [[q["stream"], q["messages"], _size(q.get("bytes"))] for q in status.get("queues", [])]))
     con.print(_table(f"Training runs (latest {args.limit})", RUN_COLUMNS, _run_rows(runs.get("training_runs", [])),

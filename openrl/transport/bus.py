@@ -85,7 +85,16 @@ class Bus:
         Raises:
             nats.errors.NoServersError: no server at ``url``.
         """
-        self.nc = await nats.connect(self.url, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        return await self.attach(await nats.connect(self.url, max_reconnect_attempts=-1, reconnect_time_wait=0.5))
+
+    async def attach(self, nc: nats.NATS) -> "Bus":
+        """Use the open connection ``nc`` (e.g. the embedded stack supervisor's), then create
+        streams and buckets if missing, as :meth:`connect` does; :meth:`close` closes ``nc``.
+
+        Raises:
+            nats.errors.Error: JetStream did not answer.
+        """
+        self.nc = nc
         self.js = self.nc.jetstream(timeout=10)
         for name, subjects in STREAMS.items():
             cfg = api.StreamConfig(

@@ -233,6 +233,10 @@ class Stack:
         specs.append(("gateway", _spawner(
             [sys.executable, "-m", "functions.gateway", "--host", self.host, "--port", str(self.port)],
             self.gateway_env(env), logs / "gateway.log"), True, None))
+        # where each process's output starts (the supervisor reads a failed start's cause from there)
+        self._log_offsets = {name: _size(self._log_of(name)) for name, *_ in specs}
+        # supervised, only nats-server and the gateway must come up here; the supervisor restarts the others
+        self._must_live = {i for i, (_, _, critical, _) in enumerate(specs) if critical or not self.supervise}
         for _, spawn, _, cons in specs:  # workers that scale to zero start at zero (unless --model preloads)
             self.procs.append(None if cons and self._starts_at_zero else spawn())
         self.metrics_urls["gateway"] = f"{self.base_url}/metrics"
@@ -248,13 +252,22 @@ class Stack:
         JetStream pull, nothing to preload)."""
         return self.supervise and self.idle_timeout > 0 and not self.push and not self.preload
 
+    def _log_of(self, name: str) -> Path:
+        """The file process ``name``'s output goes to."""
+        return self.state_dir / "nats.log" if name == "nats" else self.state_dir / "logs" / f"{name}.log"
+
     def _start_supervisor(self, specs) -> None:
+        from openrl.config import ENV_PREFIX
         from openrl.transport.supervisor import RUNNING, STARTING, ZERO, Managed, Supervisor
 
         # a worker counts as starting (never idle) until it pulls from its consumer
         managed = [Managed(name, spawn, slot=i, critical=critical, consumer=None if self.push else cons,
-                           state=(ZERO if self.procs[i] is None else STARTING) if cons and not self.push else RUNNING)
+                           state=(ZERO if self.procs[i] is None else STARTING) if cons and not self.push else RUNNING,
+                           log=self._log_of(name), log_offset=self._log_offsets.get(name, 0))
                    for i, (name, spawn, critical, cons) in enumerate(specs)]
+        # the settings the stack's processes get (extra_env over this environment)
+        cfg = Settings.of({k[len(ENV_PREFIX):].lower(): v for k, v in self.extra_env.items()
+                           if k.startswith(ENV_PREFIX) and v != ""})
         if self.push and self.idle_timeout:
             print("openrl: --idle-timeout is ignored with --push (the dispatcher, not a queue poll, feeds the "
                   "functions); they stay up", file=sys.stderr)
@@ -262,7 +275,9 @@ class Stack:
         self.supervisor = Supervisor(managed, self.procs, nats_url=self.nats_url,
                                      state_file=self.state_dir / "supervisor.json",
                                      idle_timeout_s=0.0 if self.push else self.idle_timeout,
-                                     info={"gateway": self.base_url, "pid": os.getpid()}).start(metrics_port=port)
+                                     info={"gateway": self.base_url, "pid": os.getpid()},
+                                     start_failures=cfg.start_failures, failing_retry_s=cfg.failing_retry_s,
+                                     ack_wait_s=cfg.ack_wait_s).start(metrics_port=port)
         self.metrics_urls["supervisor"] = f"http://127.0.0.1:{port}/metrics"
         self.write_ports()
 
@@ -284,8 +299,8 @@ class Stack:
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for p in self.procs:
-                if p is not None and p.poll() is not None:
+            for i, p in enumerate(self.procs):
+                if p is not None and p.poll() is not None and i in getattr(self, "_must_live", range(len(self.procs))):
                     raise RuntimeError(f"{p.args} exited with {p.returncode}; logs in {self.state_dir / 'logs'}")
             try:
                 if httpx.get(f"{self.base_url}/api/v1/healthz", timeout=1).status_code == 200:
@@ -314,6 +329,14 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _size(path: Path) -> int:
+    """Bytes in ``path`` (0 when it does not exist)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _spawner(cmd: list[str], env: dict[str, str], log: Path) -> Callable[[], subprocess.Popen]:

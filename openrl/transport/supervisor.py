@@ -15,6 +15,25 @@
   nats-server and the gateway are restarted too, but when one of them dies
   ``crash_limit`` times (3) within ``crash_window_s`` (60 s) the supervisor gives up:
   :attr:`Supervisor.fatal` names it and the stack stops.
+- **Workers that cannot start.** A trainer or sampler that dies before it pulls from its work
+  consumer (state ``starting``: an import error, a setting its ``start()`` refuses, a crash
+  while loading) failed its start. The cause is the last error line it wrote to its log since
+  it started (:func:`openrl.transport.startfailures.start_error`: the ``[<module>] start
+  failed: ...`` line of :mod:`openrl.transport.worker`, else a traceback's last line), else
+  its exit. After ``start_failures`` (3; ``OPENRL_START_FAILURES``) failed starts in a row
+  with the same cause (numbers aside; twice as many with any causes) the function is
+  **failing**: between start attempts the supervisor drains its consumer and fails each
+  queued or new request's future with category ``"server"`` and the start error
+  (:func:`openrl.transport.startfailures.drain`, through the dead-letter path's
+  :func:`~openrl.transport.bindings.deadletter.fail_undelivered`) instead of letting the SDK
+  wait for ever; the seq_ids of the training requests (and the skips) it drained are
+  published as skips once the trainer is up again, so those runs go on. Start attempts go on
+  every ``failing_retry_s`` (60 s; ``OPENRL_FAILING_RETRY_S``) instead of the backoff;
+  requests arriving during an attempt wait for it. The first attempt that pulls ends the
+  failing state: the function recovers by itself once the cause is gone. ``openrl status``
+  shows the process as ``failing`` with the ``error``; the gauge
+  ``openrl_function_failing{function=...}`` is 1 meanwhile. (With ``--push`` the functions
+  have no consumer here: they are only restarted.)
 - **Scale to zero.** With ``idle_timeout_s`` > 0, a JetStream worker (trainer, sampler) whose
   durable consumer had no pending and no unacked message (``consumer_info``'s
   ``num_pending + num_ack_pending``) for ``idle_timeout_s`` seconds gets SIGTERM: it stops
@@ -29,7 +48,8 @@
 What it sees is written every poll (when it changed, and at least every second) to
 ``<state>/supervisor.json`` (:meth:`Supervisor.snapshot`; ``openrl status`` prints it) and served
 as Prometheus metrics on the port given to :meth:`Supervisor.start`
-(``openrl_worker_restarts_total``, ``openrl_function_processes``, ``openrl_function_idle_seconds``).
+(``openrl_worker_restarts_total``, ``openrl_function_processes``, ``openrl_function_idle_seconds``,
+``openrl_function_failing``).
 """
 
 from __future__ import annotations
@@ -45,11 +65,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from openrl.transport import startfailures
+
 log = logging.getLogger("openrl.supervisor")
 
-#: Process states shown by ``openrl status``.
-RUNNING, STARTING, STOPPING, ZERO, RESTARTING, FAILED, STOPPED = (
-    "running", "starting", "stopping", "scaled to zero", "restarting", "failed", "stopped")
+#: Process states shown by ``openrl status`` (``failing``: a worker that cannot start, see the module doc;
+#: shown instead of ``restarting`` / ``starting`` while its function is failing).
+RUNNING, STARTING, STOPPING, ZERO, RESTARTING, FAILED, STOPPED, FAILING = (
+    "running", "starting", "stopping", "scaled to zero", "restarting", "failed", "stopped", "failing")
+
+#: Seconds after a drain before a pull seen on the consumer counts as the worker's (the drain's
+#: own pull requests expire after :data:`openrl.transport.startfailures.DRAIN_FETCH_S`).
+DRAIN_LINGER_S = 1.0
 
 
 @dataclass
@@ -80,6 +107,12 @@ class Managed:
         critical: dying ``crash_limit`` times within ``crash_window_s`` stops the stack.
         consumer: ``(stream, durable)`` of its JetStream work consumer: a worker that scales
             to zero; None for the others.
+        log: the file its output goes to (a worker's failed start is read there);
+            ``log_offset`` its size when the current process started.
+        failing: the start error of a worker whose function is failing (module doc), else None;
+            ``cause`` the last failed start's, ``start_fails`` / ``any_start_fails`` failed starts
+            in a row with that cause / any, ``skips`` the ``(model_id, seq_id, shard)`` of
+            trainer requests drained meanwhile, ``failed_requests`` how many were failed.
     """
 
     name: str
@@ -98,6 +131,15 @@ class Managed:
     last_busy: float = field(default_factory=time.monotonic)
     queued: int | None = None
     running: int | None = None
+    log: Path | None = None
+    log_offset: int = 0
+    cause: str | None = None
+    start_fails: int = 0
+    any_start_fails: int = 0
+    failing: str | None = None
+    skips: set = field(default_factory=set)
+    failed_requests: int = 0
+    drained_at: float = 0.0
 
 
 def describe_exit(code: int) -> str:
@@ -122,18 +164,29 @@ class Supervisor:
         info: extra keys of the state file (e.g. the gateway URL).
         poll_s: seconds between two checks. stop_timeout_s: how long a worker stopped for
             idleness may drain and flush before it is SIGKILLed.
+        start_failures: failed starts in a row with the same cause after which a worker's
+            function is failing (``>= 1``). failing_retry_s: seconds between start attempts of
+            a failing worker (``> 0``). ack_wait_s: the work consumers' ack wait, used if the
+            supervisor creates a consumer to drain it (None: ``Settings().ack_wait_s``).
 
     Raises:
-        ValueError: a negative ``idle_timeout_s``.
+        ValueError: a negative ``idle_timeout_s``, ``start_failures`` < 1, ``failing_retry_s`` <= 0.
     """
 
     def __init__(self, managed: list[Managed], procs: list[subprocess.Popen], *, nats_url: str, state_file: Path,
                  idle_timeout_s: float = 0.0, info: dict | None = None, poll_s: float = 0.5,
                  backoff: Backoff | None = None, crash_limit: int = 3, crash_window_s: float = 60.0,
-                 stop_timeout_s: float = 300.0):
+                 stop_timeout_s: float = 300.0, start_failures: int = 3, failing_retry_s: float = 60.0,
+                 ack_wait_s: float | None = None):
         if idle_timeout_s < 0:
             raise ValueError(f"idle_timeout (--idle-timeout, OPENRL_IDLE_TIMEOUT) must be >= 0 seconds, "
                              f"got {idle_timeout_s}")
+        if start_failures < 1:
+            raise ValueError(f"start_failures (OPENRL_START_FAILURES) must be >= 1, got {start_failures}")
+        if not failing_retry_s > 0:
+            raise ValueError(f"failing_retry_s (OPENRL_FAILING_RETRY_S) must be > 0 seconds, got {failing_retry_s}")
+        self.start_failures, self.failing_retry_s, self.ack_wait_s = start_failures, float(failing_retry_s), ack_wait_s
+        self._bus = None  # a Bus on the supervisor's NATS connection, made when a function first fails
         self.managed, self.procs = managed, procs
         self.nats_url, self.state_file = nats_url, Path(state_file)
         self.idle_timeout_s, self.info = float(idle_timeout_s), dict(info or {})
@@ -155,8 +208,11 @@ class Supervisor:
                         ["function"], registry=self.registry)
         self.idle = Gauge("openrl_function_idle_seconds", "seconds since the function's work consumer last "
                           "held a pending or unacked message", ["function"], registry=self.registry)
+        self.failing_gauge = Gauge("openrl_function_failing", "1 while the function's worker cannot start and "
+                                   "its requests fail with the start error", ["function"], registry=self.registry)
         for m in managed:
             self.restarts_total.labels(m.name)
+            self.failing_gauge.labels(m.name).set(0)
             self.up.labels(m.name).set(0 if procs[m.slot] is None else 1)
 
     # ----- lifecycle ----------------------------------------------------------------------
@@ -226,7 +282,7 @@ class Supervisor:
         try:
             while not self._stop.is_set() and self.fatal is None:
                 try:
-                    await self.tick(conn["js"])
+                    await self.tick(conn["js"], conn["nc"])
                 except Exception:  # noqa: BLE001 - the supervisor itself never dies of one bad check
                     log.exception("supervisor check failed")
                 await asyncio.sleep(self.poll_s)
@@ -257,8 +313,9 @@ class Supervisor:
         except Exception:  # noqa: BLE001 - NATS restarting
             return None
 
-    async def tick(self, js) -> None:
-        """One check of every process (see the module doc)."""
+    async def tick(self, js, nc=None) -> None:
+        """One check of every process (see the module doc); ``js`` / ``nc``: the JetStream context
+        and the NATS connection (None: not connected yet; nothing is read or drained)."""
         now = time.monotonic()
         for m in self.managed:
             if self._stop.is_set():
@@ -292,8 +349,17 @@ class Supervisor:
                 m.last_busy = now  # a worker loading its model is not idle yet
             elif m.state == RUNNING and self._peer_starting(m):
                 m.last_busy = now  # its client waits on the peer (an RL step: sample, then train)
-            if m.state == STARTING and waiting:
+            if m.state == STARTING and waiting and now - m.drained_at > DRAIN_LINGER_S:
                 m.state = RUNNING  # it pulls
+                m.start_fails = m.any_start_fails = 0
+                m.cause = None
+                if m.failing is not None:
+                    await self._recovered(m, nc)
+            if m.failing is not None and m.state == RESTARTING and pending > 0 and nc is not None:
+                try:
+                    await self._drain(m, nc)
+                except Exception as exc:  # noqa: BLE001 - NATS restarting: the next check drains
+                    log.warning("could not drain the queue of %s: %s", m.name, exc)
             if self.idle_timeout_s > 0 and m.state == RUNNING and now - m.last_busy >= self.idle_timeout_s:
                 log.info("%s (pid %d) idle for %.1f s (--idle-timeout %g): SIGTERM", m.name, p.pid,
                          now - m.last_busy, self.idle_timeout_s)
@@ -314,6 +380,7 @@ class Supervisor:
         return any(o is not m and o.consumer is not None and o.state == STARTING for o in self.managed)
 
     def _died(self, m: Managed, p: subprocess.Popen, code: int, now: float) -> None:
+        failed_start = m.consumer is not None and m.state == STARTING  # died before it pulled
         m.last_exit = describe_exit(code)
         self.up.labels(m.name).set(0)
         if now - m.started_at >= self.backoff.stable_s:
@@ -329,13 +396,79 @@ class Supervisor:
             self.fatal_event.set()
             return
         delay = self.backoff.delay(m.streak)
+        if failed_start:
+            delay = self._failed_start(m, delay)
         m.state, m.restart_at = RESTARTING, now + delay
         log.warning("%s (pid %d) died: %s; restarting in %.1f s (restart %d in a row)", m.name, p.pid,
-                    m.last_exit, delay, m.streak)
+                    m.last_exit if m.cause is None else f"{m.last_exit}: {m.cause}", delay, m.streak)
+
+    def _failed_start(self, m: Managed, delay: float) -> float:
+        """Count a start that died (module doc); returns the delay before the next attempt
+        (``failing_retry_s`` once the function is failing)."""
+        cause = (startfailures.read_start_error(m.log, m.log_offset) if m.log is not None else None) or (
+            f"the process ended ({m.last_exit}) before it took requests")
+        m.start_fails = m.start_fails + 1 if startfailures.same_cause(cause, m.cause) else 1
+        m.any_start_fails += 1
+        m.cause = cause
+        if m.failing is None and m.start_fails < self.start_failures and m.any_start_fails < 2 * self.start_failures:
+            return delay
+        if m.failing is None:
+            log.error("%s cannot start: %s (%d failed starts in a row); its requests fail with this error until a "
+                      "start succeeds; trying again every %g s (log: %s)", m.name, cause, m.any_start_fails,
+                      self.failing_retry_s, m.log)
+        m.failing = cause
+        self.failing_gauge.labels(m.name).set(1)
+        return self.failing_retry_s
+
+    def failing_message(self, m: Managed) -> str:
+        """The error of the requests of a failing function (category ``"server"``)."""
+        return (f"the {m.name} worker cannot start: {m.failing} ({m.any_start_fails} failed starts in a row; "
+                f"openrl serve tries again every {self.failing_retry_s:g} s"
+                + (f"; its log: {m.log})" if m.log is not None else ")"))
+
+    async def _bus_on(self, nc):
+        from openrl.transport.bus import Bus
+
+        if self._bus is None or self._bus.nc is not nc:
+            self._bus = await Bus(self.nats_url, ack_wait_s=self.ack_wait_s).attach(nc)
+        return self._bus
+
+    async def _drain(self, m: Managed, nc) -> int:
+        """Fail the requests queued on failing ``m``'s consumer (:func:`startfailures.drain`)."""
+        bus = await self._bus_on(nc)
+        try:
+            failed = await startfailures.drain(bus, *m.consumer, self.failing_message(m), m.skips,
+                                               stopping=self._stop.is_set)
+        finally:
+            m.drained_at = time.monotonic()
+        if failed:
+            m.failed_requests += failed
+            log.warning("%s cannot start: failed %d queued requests with its start error", m.name, failed)
+        return failed
+
+    async def _recovered(self, m: Managed, nc) -> None:
+        """``m`` pulls again: clear its failing state and publish the skips of the trainer
+        requests drained meanwhile (:func:`startfailures.publish_skips`)."""
+        log.warning("%s is up again after failing to start (%s); %d requests were failed meanwhile",
+                    m.name, m.failing, m.failed_requests)
+        m.failing = None
+        self.failing_gauge.labels(m.name).set(0)
+        if m.skips and nc is not None:
+            try:
+                await startfailures.publish_skips(await self._bus_on(nc), m.skips)
+            except Exception as exc:  # noqa: BLE001 - the gap timeout moves the runs on instead
+                log.warning("could not publish %d skips after %s recovered: %s", len(m.skips), m.name, exc)
+        m.skips.clear()
+        m.failed_requests = 0
 
     async def _spawn(self, m: Managed, *, restart: bool) -> None:
         if self._stop.is_set():
             return
+        if m.log is not None:
+            try:
+                m.log_offset = m.log.stat().st_size
+            except OSError:
+                m.log_offset = 0
         try:
             new = await asyncio.to_thread(m.spawn)
         except Exception as exc:  # noqa: BLE001 - e.g. nats-server's port still taken: try again later
@@ -360,20 +493,24 @@ class Supervisor:
 
             {"updated_unix", "idle_timeout_s", "stopped", "fatal", <info>...,
              "processes": [{"name", "state", "pid", "idle_s", "restarts", "last_exit",
-                            "queued", "running"}]}
+                            "queued", "running", "error", "failed_requests"}]}
 
         ``idle_s`` (seconds since the worker's consumer last held work) and ``queued`` /
         ``running`` (its consumer's pending / unacked messages) are None for nats and the gateway.
+        ``state`` is ``failing`` and ``error`` the start error while a worker cannot start
+        (``failed_requests``: requests failed with it so far); else ``error`` is None.
         """
         now = time.monotonic()
         rows = []
         for m in self.managed:
             p = self.procs[m.slot]
             alive = p is not None and p.poll() is None
-            rows.append({"name": m.name, "state": STOPPED if stopped else m.state,
+            state = FAILING if m.failing is not None and m.state in (RESTARTING, STARTING) else m.state
+            rows.append({"name": m.name, "state": STOPPED if stopped else state,
                          "pid": p.pid if alive and not stopped else None,
                          "idle_s": round(now - m.last_busy, 1) if m.consumer else None, "restarts": m.restarts,
-                         "last_exit": m.last_exit, "queued": m.queued, "running": m.running})
+                         "last_exit": m.last_exit, "queued": m.queued, "running": m.running,
+                         "error": m.failing, "failed_requests": m.failed_requests})
         return {**self.info, "updated_unix": round(time.time(), 3), "idle_timeout_s": self.idle_timeout_s,
                 "stopped": stopped, "fatal": self.fatal, "processes": rows}
 

@@ -7,13 +7,22 @@ Logs are JSON lines (:mod:`openrl.observe.logs`); Prometheus metrics are served 
 ``--metrics-port`` / ``$OPENRL_METRICS_PORT`` (0 = off, :mod:`openrl.observe.metrics`); traces are
 exported when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (:mod:`openrl.observe.tracing`).
 
+A start that raises (an import error, a setting the Function refuses, NATS unreachable) ends
+the process with exit code :data:`EXIT_START_FAILED` (3) after one line on stdout (its log in
+the embedded stack), ``[<module>] start failed: <ExceptionType>: <first line of the message>``
+(:func:`start_failed_line`; the full traceback is in the JSON log record before it). The
+embedded stack's supervisor reads that line as the cause of a failed start
+(:func:`openrl.transport.supervisor.start_error`).
+
 SIGTERM / SIGINT stop fetching, drain requests in flight (up to ``--drain-s`` seconds),
 then call the Function's ``stop()``.
 
 While it runs, the worker describes itself in the ``OPENRL_META`` KV bucket under
 ``workers.<function>.<shard>.<instance>`` (key parts as :func:`openrl.transport.bus.kv_key` encodes
 them; the shard is ``-`` for the sampler, the instance ``<host>:<pid>``): function, shard,
-pid, host, device, dtype, backend (from the Function's ``describe()``), started, updated.
+pid, host, device, dtype, backend, models_failed (from the Function's ``describe()``;
+``models_failed``: the base models that failed to load, :mod:`openrl.model.loadfailures`),
+started, updated.
 It rewrites the record every ``$OPENRL_WORKER_REFRESH_S`` seconds (default 30), so
 ``backend`` / ``dtype`` follow the first model load, and deletes it on a clean stop.
 ``GET /api/v1/status`` reads the records (:func:`worker_records`); one not refreshed for
@@ -29,9 +38,11 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 
 from openrl.config import Settings
+from openrl.errors import first_line
 from openrl.contract.function import probe
 from openrl.observe import metrics, startup
 from openrl.transport.bindings import load_function
@@ -45,6 +56,27 @@ log = logging.getLogger("openrl.transport.worker")
 WORKERS_KEY = "workers"
 #: Default seconds between two rewrites of a worker's record ($OPENRL_WORKER_REFRESH_S).
 REFRESH_S = 30.0
+#: Exit code of a worker whose start raised.
+EXIT_START_FAILED = 3
+#: What follows ``[<module>] `` on the last line a worker whose start raised writes.
+START_FAILED = "start failed: "
+
+
+class StartFailed(Exception):
+    """The Function or its binding could not start; the message is the cause's first line
+    (the original exception is ``__cause__``)."""
+
+
+def start_failed_line(module: str, exc: BaseException) -> str:
+    """``[functions.sampler] start failed: RegistryError: ...``: the line a worker whose start
+    raised ``exc`` writes last."""
+    return f"[{module}] {START_FAILED}{first_line(exc)}"
+
+
+def _start_failed(module: str, exc: BaseException) -> StartFailed:
+    log.error("%s", start_failed_line(module, exc), exc_info=exc)
+    print(start_failed_line(module, exc), flush=True)
+    return StartFailed(first_line(exc))
 
 
 def consumer_for(module: str, shard: int) -> dict:
@@ -122,7 +154,8 @@ class WorkerPresence:
         return {
             "function": self.function, "shard": self.shard, "instance": self.instance, "pid": self.pid,
             "host": self.host, "device": info.get("device"), "dtype": info.get("dtype"),
-            "backend": info.get("backend"), "started": self.started, "updated": now_iso(),
+            "backend": info.get("backend"), "models_failed": info.get("models_failed"),
+            "started": self.started, "updated": now_iso(),
             "updated_unix": round(time.time(), 3), "refresh_s": self.refresh_s,
         }
 
@@ -199,23 +232,30 @@ async def serve(module: str, nats_url: str | None, shard: int, cfg: "Settings | 
         drain_s: seconds to let requests in flight finish on stop.
         stop: an event that ends the worker (tests); None installs signal handlers.
         refresh_s: seconds between worker-record rewrites (default ``cfg.worker_refresh_s``).
+
+    Raises:
+        StartFailed: the start raised (importing the module, ``start()``, connecting to NATS,
+            binding the consumer); the line :func:`start_failed_line` was printed and logged.
     """
     startup.record("process_to_serve", startup.process_age_s())
-    cfg = Settings.of(cfg)
-    fn = load_function(module)
-    with startup.timed("function_start"):
-        await fn.start(cfg)
-    ok, reason = probe(fn.ready())
-    if not ok:  # a Function that finishes loading later still gets its work (JetStream holds it until then)
-        log.warning("%s is not ready after start(): %s", module, reason)
-    consumer = consumer_for(module, shard)
-    function, shard_id = function_of_consumer(consumer["durable"])
-    metrics.set_function_info(function, describe(fn))
-    bus = await Bus(nats_url or cfg.nats_url).connect()
-    worker = JetStreamWorker(fn, bus, **consumer)
-    presence = WorkerPresence(bus, fn, function=function, shard=shard_id,
-                              refresh_s=refresh_s if refresh_s is not None else cfg.worker_refresh_s)
-    await presence.start()
+    try:
+        cfg = Settings.of(cfg)
+        fn = load_function(module)
+        with startup.timed("function_start"):
+            await fn.start(cfg)
+        ok, reason = probe(fn.ready())
+        if not ok:  # a Function that finishes loading later still gets its work (JetStream holds it until then)
+            log.warning("%s is not ready after start(): %s", module, reason)
+        consumer = consumer_for(module, shard)
+        function, shard_id = function_of_consumer(consumer["durable"])
+        metrics.set_function_info(function, describe(fn))
+        bus = await Bus(nats_url or cfg.nats_url).connect()
+        worker = JetStreamWorker(fn, bus, **consumer)
+        presence = WorkerPresence(bus, fn, function=function, shard=shard_id,
+                                  refresh_s=refresh_s if refresh_s is not None else cfg.worker_refresh_s)
+        await presence.start()
+    except Exception as exc:  # noqa: BLE001 - any start error: one line naming it, then exit
+        raise _start_failed(module, exc) from exc
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -248,8 +288,12 @@ def main(argv: list[str] | None = None) -> None:
     from openrl.observe import logs
     from openrl.observe import tracing
 
-    cfg = Settings.of(json.loads(args.config), nats_url=args.nats)  # the one settings object of this process
     name = args.module.split(".")[-1]
+    try:
+        cfg = Settings.of(json.loads(args.config), nats_url=args.nats)  # the one settings object of this process
+    except Exception as exc:  # noqa: BLE001 - a bad setting: the line that names it, then exit
+        _start_failed(args.module, exc)
+        sys.exit(EXIT_START_FAILED)
     logs.setup(name, level=cfg.log_level, fmt=cfg.log_format)
     tracing.setup(f"openrl-{name}")
     port = metrics.serve(args.metrics_port if args.metrics_port is not None else cfg.metrics_port,
@@ -258,6 +302,8 @@ def main(argv: list[str] | None = None) -> None:
         log.info("metrics on :%d/metrics", port)
     try:
         asyncio.run(serve(args.module, None, args.shard, cfg, args.drain_s))
+    except StartFailed:
+        sys.exit(EXIT_START_FAILED)
     finally:
         tracing.shutdown()
 

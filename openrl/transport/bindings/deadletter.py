@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 
 from openrl.contract import events, payloads
 from openrl.contract.ops import SEQUENCED_OPS
@@ -67,13 +68,19 @@ def dead_seq(event) -> tuple[str, int, str] | None:
     return model_id, int(seq), str(event.get_extension("trainershard") or "0")
 
 
-async def publish_skip(bus: Bus, model_id: str, seq_id: int, shard: str) -> None:
-    """Publish a ``skip`` request for ``seq_id`` of ``model_id`` to trainer ``shard``."""
+async def publish_skip(bus: Bus, model_id: str, seq_id: int, shard: str, *, again: bool = False) -> None:
+    """Publish a ``skip`` request for ``seq_id`` of ``model_id`` to trainer ``shard``.
+
+    ``again``: a skip published before may have been consumed without effect (the embedded
+    supervisor drains a failing trainer's queue, skips included, and publishes them again once
+    it is up): a fresh JetStream message id, so the stream's duplicate window keeps it.
+    """
     rid = f"{model_id}:{seq_id}:skip"
     data = payloads.Skip(model_id=model_id, seq_id=seq_id).to_data()
     ev = events.request_event("skip", rid, model_id, data, extensions={"trainershard": shard})
     await bus.future_create(rid, "skip")
-    await bus.publish(train_subject(shard, "skip"), *events.to_headers_body(ev), msg_id=rid)
+    msg_id = f"{rid}:{uuid.uuid4().hex}" if again else rid
+    await bus.publish(train_subject(shard, "skip"), *events.to_headers_body(ev), msg_id=msg_id)
 
 
 def gave_up_message(event, deliveries: int | None) -> str:
