@@ -135,9 +135,8 @@ def probe_violations(ksvc: dict) -> list[str]:
                 out.append(f"{where}: exactly one of {HANDLERS} expected, got {handlers}")
                 continue
             (handler,) = handlers
+            # a quoted number ("8080") is a port *name* to Kubernetes (IntOrString), never a number
             declared = (probe[handler] or {}).get("port")
-            if isinstance(declared, str) and declared.isdigit():
-                declared = int(declared)
             if isinstance(declared, str) and declared != port_name:
                 out.append(f"{where}: port {declared!r} is neither a number nor the container port's name "
                            f"{port_name!r} (the webhook rejects it)")

@@ -185,6 +185,8 @@ def test_probe_rule_catches_the_port_knative_does_not_fill_in(sampler):
     assert any("probes port 9000" in v for v in kr.probe_violations(other))
     bad_name = _mutate(sampler, lambda k: _c(k)["livenessProbe"]["httpGet"].__setitem__("port", "web"))
     assert any("webhook rejects" in v for v in kr.probe_violations(bad_name))
+    quoted = _mutate(sampler, lambda k: _c(k)["startupProbe"]["httpGet"].__setitem__("port", "8080"))
+    assert any("webhook rejects" in v for v in kr.probe_violations(quoted))  # a name to Kubernetes
     # liveness and readiness without a port are fine: Knative fills in the serving port
     implicit = _mutate(sampler, lambda k: [_c(k)[p]["httpGet"].pop("port") for p in ("livenessProbe", "readinessProbe")])
     assert kr.probe_violations(implicit) == []
