@@ -40,6 +40,19 @@ class NotFound(UserError):
     status = 404
 
 
+class CLIError(OpenRLError):
+    """Something the person running ``openrl`` can fix (a busy port, an unusable state directory,
+    a stack that still runs): the CLI prints the message, which names the cause and what to do,
+    as one line and exits 1."""
+
+
+class Gone(UserError):
+    """An id that existed and is over: a finished session (HTTP 410, which stops the SDK's
+    session heartbeat). Also answered for an unknown or another key's session, like :class:`NotFound`."""
+
+    status = 410
+
+
 class ServerError(OpenRLError):
     """A fault on our side (category "server")."""
 

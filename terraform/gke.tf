@@ -20,6 +20,9 @@ resource "google_container_cluster" "main" {
   remove_default_node_pool = true
   initial_node_count       = 1
 
+  # Knative Serving 1.23 needs Kubernetes >= 1.34: pin the control plane's lowest version (the
+  # channel may upgrade it, never below) and check what GKE gave after the apply.
+  min_master_version = var.kubernetes_version
   release_channel {
     channel = var.release_channel
   }
@@ -94,6 +97,13 @@ resource "google_container_cluster" "main" {
   }
 
   depends_on = [google_project_service.apis]
+
+  lifecycle {
+    postcondition {
+      condition     = try(tonumber(regex("^1\\.([0-9]+)\\.", self.master_version)[0]) >= 34, false)
+      error_message = "GKE runs Kubernetes ${self.master_version}; Knative Serving 1.23 needs >= 1.34: raise kubernetes_version or pick a release_channel that offers it."
+    }
+  }
 }
 
 locals {

@@ -90,9 +90,25 @@ variable "gpu_driver_version" {
 }
 
 variable "release_channel" {
-  description = "GKE release channel (RAPID, REGULAR, STABLE)."
+  description = "GKE release channel (RAPID, REGULAR, STABLE, EXTENDED). The channel must offer kubernetes_version."
   type        = string
   default     = "REGULAR"
+
+  validation {
+    condition     = contains(["RAPID", "REGULAR", "STABLE", "EXTENDED"], var.release_channel)
+    error_message = "release_channel: one of RAPID, REGULAR, STABLE, EXTENDED."
+  }
+}
+
+variable "kubernetes_version" {
+  description = "Lowest Kubernetes version of the control plane (GKE min_master_version: 1.X for the newest 1.X patch, or 1.X.Y-gke.N). Knative Serving 1.23 needs >= 1.34 (knative.dev/pkg DefaultKubernetesMinVersion v1.34.0) and refuses to start on older clusters."
+  type        = string
+  default     = "1.34"
+
+  validation {
+    condition     = can(regex("^1\\.[0-9]+(\\.[0-9]+(-gke\\.[0-9]+)?)?$", var.kubernetes_version)) && try(tonumber(split(".", var.kubernetes_version)[1]) >= 34, false)
+    error_message = "kubernetes_version: Knative Serving 1.23 needs Kubernetes >= 1.34 (e.g. \"1.34\" or \"1.35.1-gke.1000\")."
+  }
 }
 
 variable "master_authorized_cidrs" {

@@ -11,7 +11,7 @@ from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, WireRoute
 from openrl.config import Settings
 from openrl.contract.records import Session
 from openrl.edge import wire
-from openrl.errors import UserError
+from openrl.errors import Gone, UserError
 from openrl.transport.bus import now_iso
 
 router = APIRouter(prefix=API_PREFIX, route_class=WireRoute)  # behind the API key (functions/gateway/app.py)
@@ -74,7 +74,8 @@ async def session_heartbeat(req: wire.SessionHeartbeatRequest, g: GatewayDep, ca
     """Keep a session alive; 410 once it is over (or not the caller's), which stops the SDK's heartbeat."""
     rec = await g.bus.meta_get("session", req.session_id)
     if rec is None or rec.get("owner") != caller.owner or rec.get("status") != "active":
-        return JSONResponse(status_code=410, content={"detail": f"session {req.session_id!r} is over"})
+        raise Gone("session_id", f"session {req.session_id!r} is over or unknown; create a new session")
+
     def beat(old):  # compare-and-set: never undo a concurrent finish or training_run_ids append
         old = dict(old or {})
         old["last_heartbeat"] = now_iso()

@@ -11,6 +11,7 @@ Subcommands::
     openrl run [--model NAME=DIR ...] [--idle-timeout SECONDS] SCRIPT [-- ARGS]
     openrl status [--base-url URL] [--api-key KEY] [--json]
     openrl status --cluster [--kubeconfig PATH] [--context C] [--namespace NS] [--nats-url URL] [--json]
+    openrl stop [--timeout SECONDS]
     openrl runs list [--limit N] / openrl checkpoints list RUN
 
 ``--state-dir DIR`` (default ``$OPENRL_HOME`` or ``~/.openrl``) is accepted before or after
@@ -20,6 +21,11 @@ Adding a subcommand: write a function ``(subparsers, common) -> None`` that call
 ``subparsers.add_parser(name, parents=[common], ...)`` and ``set_defaults(func=handler)``, and
 decorate it with :func:`command`. ``handler(args) -> int | None`` returns the exit status
 (None means 0). Import heavy modules inside the handler so ``openrl --help`` stays fast.
+
+Errors the user can cause (a bad flag, a busy port, a state directory that cannot be used, a
+model directory that is not one, a stack still running) are one line on stderr,
+``openrl <command>: error: <cause>; <what to do>``, and a non-zero exit (2 for usage, 1 for
+the rest); no traceback. Set ``OPENRL_DEBUG=1`` to get the traceback of an unexpected error.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from openrl.errors import OpenRLError
+from openrl.errors import CLIError, OpenRLError
 from openrl.model.registry import RegistryError, overlay_path, state_dir
 
 Configure = Callable[["argparse._SubParsersAction", argparse.ArgumentParser], None]
@@ -138,14 +144,20 @@ def register_models(specs: Sequence[tuple[str, str]], state: Path) -> list:
         The registered :class:`~openrl.model.registry.ModelEntry` objects.
 
     Raises:
-        openrl.model.modelcheck.ModelDirError: a directory is not a loadable causal LM.
+        CLIError: a directory is not a loadable causal LM (the ``--model`` it came from, what is
+            wrong, what it needs).
         RegistryError: an invalid name, or an overlay that does not load.
     """
+    from openrl.model.modelcheck import ModelDirError
     from openrl.model.registry import add_model
 
     entries = []
     for name, directory in specs or ():
-        entry = add_model(name, directory, models_dir=state / "models")
+        try:
+            entry = add_model(name, directory, models_dir=state / "models")
+        except ModelDirError as exc:
+            raise CLIError(f"--model {name}={directory}: {exc}; give the directory of a Hugging Face causal LM "
+                           "(config.json, safetensors weights, tokenizer)") from None
         _announce(entry, state, sys.stderr)
         entries.append(entry)
     return entries
@@ -232,10 +244,43 @@ def _add_gpu_flags(p: argparse.ArgumentParser) -> None:
                         "cache; default $OPENRL_SAMPLER_GPU_MEMORY, else 0.40)")
 
 
+def _port(text: str) -> int:
+    """``--port N``: a TCP port, 1..65535.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer in that range.
+    """
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port number (1-65535), got {text!r}") from None
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port number (1-65535), got {v}")
+    return v
+
+
+def usable_state_dir(path: Path) -> Path:
+    """Create ``path`` (the state directory) if needed and check that it can be written.
+
+    Raises:
+        CLIError: it cannot be created or written (the cause, and what to do).
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise CLIError(f"state dir {path} cannot be used ({exc.strerror or exc}); pass --state-dir DIR (or set "
+                       "OPENRL_HOME) with a directory you can write") from None
+    return path
+
+
 # -- serve ----------------------------------------------------------------------------------
 
 
 def _cmd_serve(args: argparse.Namespace) -> int | None:
+    usable_state_dir(args.state_dir)
     if not args.storage:
         args.storage = f"file://{args.state_dir / 'storage'}"
     args.build = not args.no_build
@@ -253,7 +298,7 @@ def _configure_serve(sub, common: argparse.ArgumentParser) -> None:
         help="run the whole stack in one process (gateway, trainer, sampler, embedded NATS)",
     )
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    p.add_argument("--port", type=_port, default=8000, help="gateway port (default 8000)")
     p.add_argument("--storage", default=None, help="weight storage URL (default file://<state_dir>/storage)")
     p.add_argument("--no-build", action="store_true", help="do not build missing base models at start")
     p.add_argument("--push", action="store_true", help="functions as HTTP receivers behind a local dispatcher "
@@ -271,6 +316,9 @@ def _configure_serve(sub, common: argparse.ArgumentParser) -> None:
 def _cmd_run(args: argparse.Namespace) -> int:
     if args.script_args and args.script_args[0] == "--":
         args.script_args = args.script_args[1:]
+    if not Path(args.script).is_file():
+        raise CLIError(f"{args.script}: no such script; give the path of a Python file (e.g. examples/rl_loop.py)")
+    usable_state_dir(args.state_dir)
     register_models(args.model, args.state_dir)
     from openrl.transport import embedded
 
@@ -287,7 +335,7 @@ def _configure_run(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("script", help="Python script, e.g. examples/rl_loop.py")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--storage", default=None, help="weight storage URL (default file://<state_dir>/storage)")
     p.add_argument("--no-build", action="store_true")
     p.add_argument("--push", action="store_true", help="functions as HTTP receivers behind a local dispatcher")
@@ -297,6 +345,40 @@ def _configure_run(sub, common: argparse.ArgumentParser) -> None:
                    help="register a local model directory first (as `openrl models add NAME DIR`); repeatable; "
                    "before SCRIPT")
     p.set_defaults(func=_cmd_run)
+
+
+# -- stop -----------------------------------------------------------------------------------
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    from openrl.transport import pidfile
+
+    if not args.state_dir.is_dir():
+        raise CLIError(f"state dir {args.state_dir} does not exist; pass the --state-dir the stack was "
+                       "started with (default $OPENRL_HOME or ~/.openrl)")
+    try:
+        stopped = pidfile.stop(args.state_dir, timeout_s=args.timeout)
+    except PermissionError as exc:
+        raise CLIError(f"{exc}; run openrl stop as the user that started the stack") from None
+    if not stopped:
+        print(f"openrl stop: nothing of the stack of {args.state_dir} is running")
+    else:
+        print(f"openrl stop: stopped {', '.join(f'{e.name} (pid {e.pid})' for e in stopped)} "
+              f"of the stack of {args.state_dir}")
+    return 0
+
+
+@command
+def _configure_stop(sub, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "stop", parents=[common],
+        help="stop the stack of a state dir (openrl serve / run), or what is left of it",
+        description="Stop every process recorded in <state_dir>/pids.json that still runs: SIGTERM to the "
+        "openrl serve / run process (it stops the rest in order), then to the others, SIGKILL after --timeout.",
+    )
+    p.add_argument("--timeout", type=_idle_timeout, default=30.0, metavar="SECONDS",
+                   help="seconds to wait after SIGTERM before SIGKILL (default 30)")
+    p.set_defaults(func=_cmd_stop)
 
 
 # -- status, runs, checkpoints (openrl/cli/status.py: REST clients of a gateway) -------------
@@ -309,19 +391,25 @@ command(cli_status.configure)
 # -- entry point ----------------------------------------------------------------------------
 
 
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line (the cause, then where the usage
+    is) and exit 2, instead of the usage block and the error."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (all registered subcommands)."""
     # --state-dir is accepted at every level; SUPPRESS keeps a subparser's absent option from
     # overwriting a value given before the subcommand.
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument(
         "--state-dir",
         default=argparse.SUPPRESS,
         help="state directory (default $OPENRL_HOME or ~/.openrl)",
     )
-    parser = argparse.ArgumentParser(
-        prog="openrl", parents=[common], description="openrl: a self-hosted Tinker API"
-    )
+    parser = Parser(prog="openrl", parents=[common], description="openrl: a self-hosted Tinker API")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for configure in _COMMANDS:
         configure(sub, common)
@@ -342,6 +430,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except (OpenRLError, RegistryError, FileExistsError, NotADirectoryError) as e:
         print(f"openrl {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the machine refused something (a file, a port, a process): say what, no traceback
+        if os.environ.get("OPENRL_DEBUG"):
+            raise
+        what = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else (e.strerror or str(e) or type(e).__name__)
+        print(f"openrl {args.command}: error: {what}; check the path / port / permissions it names "
+              "(OPENRL_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 1
     return 0 if rc is None else int(rc)
 

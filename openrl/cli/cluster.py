@@ -10,6 +10,12 @@ these resources in the namespace is all the RBAC it needs):
 | ``serving.knative.dev/v1`` ``services`` | ``status.latestReadyRevisionName``, ``status.latestCreatedRevisionName``, the ``Ready`` condition, ``status.url``, ``status.traffic`` |
 | ``serving.knative.dev/v1`` ``revisions`` | label ``serving.knative.dev/service``, ``status.desiredReplicas``, ``status.actualReplicas``, the ``Ready`` condition |
 | ``autoscaling.internal.knative.dev/v1alpha1`` ``podautoscalers`` (optional: skipped when the API answers 403/404) | ``status.desiredScale``, ``status.actualScale``: the autoscaler's numbers, used where the revision's are missing |
+| ``v1`` ``events`` of kind Revision (optional, as above) | the newest ``Warning`` of a revision that is not ready: where the controller reports what it could not create (e.g. a Deployment the API server rejected while the revision shows only ``Unknown / Deploying``) |
+
+A revision that is not ready shows *why* in the Revisions table: its ``Ready`` condition's
+reason and message, else those of the first other condition that is not ``True`` and says
+something (``ResourcesAvailable``: unschedulable, ``ContainerHealthy``: exit codes), and the
+newest Warning event about it.
 
 A Service's *desired* / *actual* scale is the sum over its revisions (an idle Service at zero
 shows 0 / 0; a sweep in flight shows its replicas).
@@ -102,12 +108,35 @@ def _list(api, group: str, version: str, namespace: str, plural: str, *, optiona
     return list(out.get("items") or [])
 
 
-def _ready(obj: dict) -> tuple[str, str | None]:
-    """The ``Ready`` condition: (``"True"`` / ``"False"`` / ``"Unknown"``, reason or message)."""
-    for c in (obj.get("status") or {}).get("conditions") or []:
-        if c.get("type") == "Ready":
-            return str(c.get("status", "Unknown")), c.get("reason") or c.get("message")
-    return "Unknown", None
+def _ready(obj: dict) -> tuple[str, str | None, str | None]:
+    """The ``Ready`` condition: (``"True"`` / ``"False"`` / ``"Unknown"``, reason, message).
+
+    When Ready is not True and says nothing (no message), the reason and message come from
+    the first other condition that is not True and carries a message (Knative sets
+    ``ResourcesAvailable`` / ``ContainerHealthy`` with the pod's cause while Ready stays
+    ``Unknown``)."""
+    conds = (obj.get("status") or {}).get("conditions") or []
+    ready = next((c for c in conds if c.get("type") == "Ready"), None)
+    status = str((ready or {}).get("status", "Unknown"))
+    reason, message = (ready or {}).get("reason"), (ready or {}).get("message")
+    if status != "True" and not message:
+        for c in conds:
+            if c.get("type") != "Ready" and str(c.get("status")) != "True" and c.get("message"):
+                reason, message = c.get("reason") or reason, c["message"]
+                break
+    return status, reason, message
+
+
+def why(row: dict) -> str | None:
+    """One line for a row that is not ready: ``Reason: message`` plus the newest Warning
+    event (``last warning: Reason: message``); None for a ready row."""
+    if row.get("ready") == "True":
+        return None
+    parts = [": ".join(x for x in (row.get("reason"), row.get("message")) if x)]
+    ev = row.get("warning")
+    if ev:
+        parts.append("last warning: " + ": ".join(x for x in (ev.get("reason"), ev.get("message")) if x))
+    return "; ".join(p for p in parts if p) or None
 
 
 def _sum(values) -> int | None:
@@ -115,28 +144,47 @@ def _sum(values) -> int | None:
     return sum(known) if known else None
 
 
-def summarize(services: list[dict], revisions: list[dict], autoscalers: list[dict]) -> list[dict]:
-    """Join Knative Services, Revisions and PodAutoscalers (the raw API objects) into one row
-    per Service with its revisions.
+def _warnings(events: list[dict]) -> dict[str, dict]:
+    """The newest ``Warning`` event per involved Revision name: ``{name: {"reason", "message"}}``."""
+    out: dict[str, tuple[str, dict]] = {}
+    for e in events:
+        obj = e.get("involvedObject") or {}
+        if e.get("type") != "Warning" or obj.get("kind") != "Revision":
+            continue
+        when = e.get("lastTimestamp") or e.get("eventTime") or (e.get("metadata") or {}).get("creationTimestamp") or ""
+        if obj.get("name") not in out or when >= out[obj["name"]][0]:
+            out[obj["name"]] = (when, {"reason": e.get("reason"), "message": e.get("message")})
+    return {k: v for k, (_, v) in out.items()}
+
+
+def summarize(services: list[dict], revisions: list[dict], autoscalers: list[dict],
+              events: list[dict] | None = None) -> list[dict]:
+    """Join Knative Services, Revisions, PodAutoscalers and the revisions' Events (the raw API
+    objects) into one row per Service with its revisions.
 
     Returns:
-        ``[{"name", "ready", "reason", "url", "latest_ready_revision", "latest_created_revision",
-        "desired", "actual", "revisions": [{"name", "ready", "reason", "desired", "actual",
-        "traffic_percent"}]}]``, sorted by name; ``desired`` / ``actual`` are replica counts
-        (None where neither the revision nor its PodAutoscaler reports one).
+        ``[{"name", "ready", "reason", "message", "url", "latest_ready_revision",
+        "latest_created_revision", "desired", "actual", "revisions": [{"name", "ready", "reason",
+        "message", "warning", "desired", "actual", "traffic_percent"}]}]``, sorted by name;
+        ``reason`` / ``message`` are the Ready condition's (see :func:`_ready`), ``warning`` the
+        newest Warning event of a revision that is not ready (``{"reason", "message"}`` or None);
+        ``desired`` / ``actual`` are replica counts (None where neither the revision nor its
+        PodAutoscaler reports one).
     """
     pas = {(p.get("metadata") or {}).get("name"): p.get("status") or {} for p in autoscalers}
+    warnings = _warnings(events or [])
     by_service: dict[str, list[dict]] = {}
     for r in revisions:
         meta = r.get("metadata") or {}
         st = r.get("status") or {}
         pa = pas.get(meta.get("name"), {})
-        ready, reason = _ready(r)
+        ready, reason, message = _ready(r)
         desired = st.get("desiredReplicas", pa.get("desiredScale"))
         actual = st.get("actualReplicas", pa.get("actualScale"))
         by_service.setdefault((meta.get("labels") or {}).get(SERVICE_LABEL), []).append(
-            {"name": meta.get("name"), "ready": ready, "reason": reason, "desired": desired, "actual": actual,
-             "created": meta.get("creationTimestamp")})
+            {"name": meta.get("name"), "ready": ready, "reason": reason, "message": message,
+             "warning": warnings.get(meta.get("name")) if ready != "True" else None,
+             "desired": desired, "actual": actual, "created": meta.get("creationTimestamp")})
     rows = []
     for s in services:
         name = (s.get("metadata") or {}).get("name")
@@ -149,8 +197,8 @@ def summarize(services: list[dict], revisions: list[dict], autoscalers: list[dic
         for r in revs:
             del r["created"]
             r["traffic_percent"] = traffic.get(r["name"])
-        ready, reason = _ready(s)
-        rows.append({"name": name, "ready": ready, "reason": reason, "url": st.get("url"),
+        ready, reason, message = _ready(s)
+        rows.append({"name": name, "ready": ready, "reason": reason, "message": message, "url": st.get("url"),
                      "latest_ready_revision": st.get("latestReadyRevisionName"),
                      "latest_created_revision": st.get("latestCreatedRevisionName"),
                      "desired": _sum(r["desired"] for r in revs), "actual": _sum(r["actual"] for r in revs),
@@ -170,7 +218,26 @@ def knative_status(api_client_, namespace: str) -> list[dict]:
     services = _list(api, KNATIVE_GROUP, KNATIVE_VERSION, namespace, "services")
     revisions = _list(api, KNATIVE_GROUP, KNATIVE_VERSION, namespace, "revisions")
     autoscalers = _list(api, PA_GROUP, PA_VERSION, namespace, "podautoscalers", optional=True)
-    return summarize(services, revisions, autoscalers)
+    events = _revision_events(client.CoreV1Api(api_client_), namespace) if any(
+        _ready(r)[0] != "True" for r in revisions) else []
+    return summarize(services, revisions, autoscalers, events)
+
+
+def _revision_events(core, namespace: str) -> list[dict]:
+    """The namespace's events about Revisions (optional: [] when the API refuses or lacks them)."""
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    try:
+        out = core.list_namespaced_event(namespace, field_selector="involvedObject.kind=Revision",
+                                         _request_timeout=15, _preload_content=False)
+        return list(json.loads(out.data).get("items") or [])
+    except ApiException as exc:
+        if exc.status in (403, 404):
+            return []
+        raise ClusterError(f"list events in namespace {namespace}: HTTP {exc.status} {exc.reason}") from exc
+    except HTTPError as exc:
+        raise ClusterError(f"cannot reach the Kubernetes API at {core.api_client.configuration.host}: {exc}") from exc
 
 
 # -- NATS -------------------------------------------------------------------------------------
@@ -268,9 +335,10 @@ def render(doc: dict, console) -> None:
                          [[s["name"], s["ready"] if s["ready"] == "True" or not s["reason"] else f"{s['ready']} ({s['reason']})",
                            s["latest_ready_revision"], s["desired"], s["actual"], s["url"]] for s in services],
                          fold=("service",)))
-    console.print(_table("Revisions", ["revision", "service", "ready", "desired", "actual", "traffic %"],
-                         [[r["name"], s["name"], r["ready"], r["desired"], r["actual"], r["traffic_percent"]]
-                          for s in services for r in s["revisions"]], fold=("revision",)))
+    revs = [(s, r) for s in services for r in s["revisions"]]
+    console.print(_table("Revisions", ["revision", "service", "ready", "desired", "actual", "traffic %", "why not ready"],
+                         [[r["name"], s["name"], r["ready"], r["desired"], r["actual"], r["traffic_percent"], why(r)]
+                          for s, r in revs], fold=("revision",)))
     if doc["streams"] is None:
         console.print("NATS: not shown (pass --nats-url or set OPENRL_NATS_URL)")
         return

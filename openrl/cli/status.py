@@ -73,8 +73,8 @@ class Client:
             ``detail`` is in the message).
     """
 
-    def __init__(self, base_url: str, api_key: str | None):
-        self.base_url = base_url
+    def __init__(self, base_url: str, api_key: str | None, hint: str = ""):
+        self.base_url, self.hint = base_url, hint
         self.http = httpx.Client(base_url=base_url, timeout=TIMEOUT_S,
                                  headers={"X-API-Key": api_key} if api_key else {})
 
@@ -82,7 +82,7 @@ class Client:
         try:
             r = self.http.get(path, params=params or None)
         except httpx.HTTPError as exc:
-            raise GatewayError(f"cannot reach the gateway at {self.base_url}: {exc}") from exc
+            raise GatewayError(f"cannot reach the gateway at {self.base_url}: {exc}{self.hint}") from exc
         if r.status_code >= 400:
             try:
                 detail = r.json().get("detail")
@@ -93,8 +93,21 @@ class Client:
         return r.json()
 
 
+def _unreachable_hint(args) -> str:
+    """What to do when the gateway does not answer: start the stack of the state dir, or name the gateway."""
+    if args.base_url or os.environ.get("TINKER_BASE_URL"):
+        return "; check the URL (--base-url / TINKER_BASE_URL) and that the gateway runs"
+    sd = Path(args.state_dir)
+    if not sd.is_dir():
+        return (f"; state dir {sd} does not exist: start a stack with `openrl serve --state-dir {sd}`, pass the "
+                "--state-dir of a running one, or --base-url")
+    if not (sd / "ports.json").exists():
+        return f"; no openrl serve has run with state dir {sd}: start one with `openrl serve`, or pass --base-url"
+    return f"; is `openrl serve --state-dir {sd}` still running? Start it again, or pass --base-url"
+
+
 def _client(args) -> Client:
-    return Client(_base_url(args), _api_key(args))
+    return Client(_base_url(args), _api_key(args), _unreachable_hint(args))
 
 
 def _console():

@@ -38,15 +38,20 @@ def kv_key(*parts: str) -> str:
     """A KV key from arbitrary strings (ids contain ``:`` which KV keys may not).
 
     Each part is base32-encoded (no padding), parts joined with ``.`` so prefix
-    listing by the first part still works.
+    listing by the first part still works. An empty part (an empty id from a client) is
+    ``_``, outside the base32 alphabet: KV keys may not hold empty tokens, and a lookup of
+    ``""`` must find nothing rather than fail.
     """
-    return ".".join(base64.b32encode(p.encode()).decode().rstrip("=") for p in parts)
+    return ".".join(base64.b32encode(p.encode()).decode().rstrip("=") or "_" for p in parts)
 
 
 def kv_key_decode(key: str) -> list[str]:
     """Inverse of :func:`kv_key`."""
     out = []
     for p in key.split("."):
+        if p == "_":
+            out.append("")
+            continue
         p += "=" * (-len(p) % 8)
         out.append(base64.b32decode(p).decode())
     return out

@@ -13,6 +13,14 @@ Everything lives under a state directory (default ``~/.openrl``):
                                 accepts it (plus any OPENRL_API_KEYS / OPENRL_API_KEYS_FILE
                                 entries) and nothing else (see openrl/edge/auth.py)
     <state>/supervisor.json     each process's state, restarts and idle time (``openrl status``)
+    <state>/pids.json           the supervisor's and every child's pid (openrl/transport/pidfile.py:
+                                ``openrl stop`` and the next ``openrl serve`` find leftovers there)
+
+Every child dies with the process that started it (``openrl serve``, ``openrl run``, a test):
+it is started through :mod:`openrl.transport.tether` (the Linux parent-death signal), so a
+``kill -9`` of the supervisor leaves no orphan holding the ports or the GPU. A new stack
+refuses to start on a state directory whose previous stack still partly runs, and says how to
+stop it (``openrl stop --state-dir DIR``).
 
 ``openrl serve`` / ``openrl run`` supervise the processes (:mod:`openrl.transport.supervisor`):
 one that dies is restarted with backoff, and with ``--idle-timeout SECONDS`` (default
@@ -39,7 +47,9 @@ from typing import TYPE_CHECKING, Callable
 
 from openrl.config import Settings
 from openrl.contract import topology
+from openrl.errors import CLIError
 from openrl.model.registry import ModelRegistry, ensure_built
+from openrl.transport import pidfile, tether
 
 if TYPE_CHECKING:
     from openrl.transport.supervisor import Supervisor
@@ -84,11 +94,12 @@ def start_nats(state_dir: Path, port: int) -> subprocess.Popen:
     conf = state_dir / "nats.conf"
     conf.write_text("max_payload: 8MB\n")
     (state_dir / "nats").mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd",
-         str(state_dir / "nats")],
-        stdout=open(state_dir / "nats.log", "ab"), stderr=subprocess.STDOUT,
-    )
+    with open(state_dir / "nats.log", "ab") as log:  # dies with this process (openrl/transport/tether.py)
+        proc = tether.popen(
+            [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd",
+             str(state_dir / "nats")],
+            name="nats", state_dir=state_dir, stdout=log, stderr=subprocess.STDOUT,
+        )
     wait_port(port)
     return proc
 
@@ -191,13 +202,21 @@ class Stack:
         Blocks until the gateway answers ``/api/v1/healthz``.
 
         Raises:
-            TimeoutError: a component did not come up.
+            openrl.errors.CLIError: the state dir's previous stack still partly runs, the port is
+                taken, or a process exited / the gateway did not answer while starting (what was
+                started is stopped again).
+            TimeoutError: nats-server did not listen.
         """
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        left = pidfile.alive(self.state_dir)
+        if left:
+            raise CLIError(pidfile.describe(left, self.state_dir))
         with socket.socket() as probe:
             if probe.connect_ex((self.host, self.port)) == 0:
-                raise RuntimeError(f"{self.host}:{self.port} is already in use (another openrl serve?); "
-                                   "pick another with --port")
+                raise CLIError(f"{self.host}:{self.port} is already in use (another openrl serve, or another "
+                               f"program); pick a free port with --port, or stop the other one "
+                               f"(`openrl stop --state-dir DIR` for an openrl stack)")
+        pidfile.start(self.state_dir)
         self.storage = self.storage or (self.state_dir / "storage").as_uri()
         registry = ModelRegistry.load(Settings().registry_path, models_dir=self.state_dir / "models")
         if self.build:
@@ -241,7 +260,11 @@ class Stack:
             self.procs.append(None if cons and self._starts_at_zero else spawn())
         self.metrics_urls["gateway"] = f"{self.base_url}/metrics"
         self.write_ports()
-        self._wait_healthy()
+        try:
+            self._wait_healthy()
+        except BaseException:  # nothing of a stack that did not start stays behind
+            self.stop()
+            raise
         if self.supervise:
             self._start_supervisor(specs)
         return self
@@ -301,14 +324,18 @@ class Stack:
         while time.monotonic() < deadline:
             for i, p in enumerate(self.procs):
                 if p is not None and p.poll() is not None and i in getattr(self, "_must_live", range(len(self.procs))):
-                    raise RuntimeError(f"{p.args} exited with {p.returncode}; logs in {self.state_dir / 'logs'}")
+                    cmd = list(p.args)
+                    cmd = cmd[cmd.index("--") + 1:] if "--" in cmd else cmd  # the tether's command
+                    raise CLIError(f"{' '.join(map(str, cmd[:4]))} exited with {p.returncode} while the stack "
+                                   f"started; its log is in {self.state_dir / 'logs'}")
             try:
                 if httpx.get(f"{self.base_url}/api/v1/healthz", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"gateway not healthy after {timeout_s}s")
+        raise CLIError(f"the gateway did not answer {self.base_url}/api/v1/healthz within {timeout_s:g} s; "
+                       f"its log is in {self.state_dir / 'logs' / 'gateway.log'}")
 
     def stop(self) -> None:
         """Stop the supervisor, then SIGTERM every process (gateway and workers first,
@@ -323,6 +350,7 @@ class Stack:
                 except subprocess.TimeoutExpired:
                     p.kill()
         self.procs.clear()
+        pidfile.clear(self.state_dir)
 
     def __enter__(self) -> "Stack":
         return self.start()
@@ -340,11 +368,14 @@ def _size(path: Path) -> int:
 
 
 def _spawner(cmd: list[str], env: dict[str, str], log: Path) -> Callable[[], subprocess.Popen]:
-    """A function that starts ``cmd`` with ``env``, appending its output to ``log`` (each call a new process)."""
+    """A function that starts ``cmd`` with ``env``, appending its output to ``log`` (each call a new
+    process). The log is ``<state>/logs/<name>.log``: the child is recorded as ``name`` in
+    ``<state>/pids.json`` and dies with this process (:func:`openrl.transport.tether.popen`)."""
 
     def spawn() -> subprocess.Popen:
         with open(log, "ab") as out:
-            return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+            return tether.popen(cmd, name=log.stem, state_dir=log.parent.parent, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
 
     return spawn
 

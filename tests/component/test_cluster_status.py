@@ -64,9 +64,11 @@ def service(name: str, revision: str, *, ready: bool = True, reason: str | None 
     }
 
 
-def revision(name: str, svc: str, desired: int | None, actual: int | None, *, created: str) -> dict:
-    """A ``serving.knative.dev/v1`` Revision; ``desired`` / ``actual`` None leave the fields out."""
-    status = {"observedGeneration": 1, "conditions": _cond(True)}
+def revision(name: str, svc: str, desired: int | None, actual: int | None, *, created: str,
+             conditions: list[dict] | None = None) -> dict:
+    """A ``serving.knative.dev/v1`` Revision; ``desired`` / ``actual`` None leave the fields out;
+    ``conditions`` replace the default ``Ready: True``."""
+    status = {"observedGeneration": 1, "conditions": conditions or _cond(True)}
     if desired is not None:
         status["desiredReplicas"] = desired
     if actual is not None:
@@ -215,7 +217,7 @@ def test_fixture_objects_match_the_knative_crds():
     (so the listing below reads fields that exist, spelled as upstream spells them); a
     misspelt status field is caught."""
     schemas = {"Service": _crd_schema("service.yaml"), "Revision": _crd_schema("revision.yaml")}
-    state = cluster_state(trainer=(1, 1), sampler=(3, 1))
+    state = not_ready_state()
     objs = state[f"{SERVING}/services"] + state[f"{SERVING}/revisions"]
     for obj in objs:
         errors = list(jsonschema.Draft7Validator(schemas[obj["kind"]]).iter_errors(obj))
@@ -223,6 +225,56 @@ def test_fixture_objects_match_the_knative_crds():
     bad = copy.deepcopy(state[f"{SERVING}/revisions"][0])
     bad["status"]["actualReplica"] = bad["status"].pop("actualReplicas")
     assert list(jsonschema.Draft7Validator(schemas["Revision"]).iter_errors(bad))
+
+
+EVENTS_PATH = "/api/v1/namespaces/openrl/events"
+#: What the API server answered Knative 1.23 for our startup probes without a port (issue 23).
+PORT_ZERO = ('failed to create deployment "trainer-shard-0-00002-deployment": Deployment.apps '
+             '"trainer-shard-0-00002-deployment" is invalid: spec.template.spec.containers[0].startupProbe.httpGet.port: '
+             'Invalid value: 0: must be between 1 and 65535, inclusive')
+
+
+def _c(type_: str, status: str, reason: str | None = None, message: str | None = None) -> dict:
+    c = {"type": type_, "status": status, "lastTransitionTime": "2026-12-01T10:00:00Z"}
+    if reason:
+        c["reason"] = reason
+    if message:
+        c["message"] = message
+    return c
+
+
+def not_ready_state() -> dict[str, list[dict]]:
+    """Three revisions that are not ready, shaped as Knative 1.23 reports them: the trainer's
+    Deployment rejected by the API server (Ready Unknown / Deploying, no message; the cause only
+    in the controller's Warning event), the sampler's pod unschedulable (ResourcesAvailable
+    False with the scheduler's message), the gateway's container exiting (Ready False)."""
+    state = cluster_state(trainer=(0, 0), sampler=(1, 0))
+    state[f"{SERVING}/revisions"] += [
+        revision("trainer-shard-0-00002", "trainer-shard-0", 0, 0, created="2026-12-01T10:00:00Z", conditions=[
+            _c("Ready", "Unknown", "Deploying"), _c("ResourcesAvailable", "Unknown", "Deploying"),
+            _c("ContainerHealthy", "Unknown", "Deploying")]),
+        revision("sampler-00003", "sampler", 1, 0, created="2026-12-01T10:00:00Z", conditions=[
+            _c("Ready", "Unknown", "Deploying"), _c("ContainerHealthy", "Unknown", "Deploying"),
+            _c("ResourcesAvailable", "False", "Unschedulable", "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")]),
+        revision("gateway-00002", "gateway", 1, 0, created="2026-12-01T10:00:00Z", conditions=[
+            _c("Ready", "False", "ExitCode1", "Container failed with: KeyError: 'OPENRL_NATS_URL'")]),
+    ]
+    # core/v1 Events (no CRD: the fields are Kubernetes' Event type); one old and one newer
+    # warning about the trainer revision, one Normal event, one about another kind
+    def event(name, obj_kind, obj_name, type_, reason, message, when):
+        return {"apiVersion": "v1", "kind": "Event", "metadata": {"name": name, "namespace": NS},
+                "involvedObject": {"kind": obj_kind, "name": obj_name, "namespace": NS,
+                                   "apiVersion": "serving.knative.dev/v1"},
+                "type": type_, "reason": reason, "message": message, "count": 1,
+                "firstTimestamp": when, "lastTimestamp": when}
+    state[EVENTS_PATH] = [
+        event("e1", "Revision", "trainer-shard-0-00002", "Warning", "InternalError", "old failure", "2026-12-01T10:00:01Z"),
+        event("e2", "Revision", "trainer-shard-0-00002", "Warning", "InternalError", PORT_ZERO, "2026-12-01T10:05:00Z"),
+        event("e3", "Revision", "trainer-shard-0-00002", "Normal", "Created", "nothing wrong", "2026-12-01T10:06:00Z"),
+        event("e4", "Deployment", "sampler-00003-deployment", "Warning", "FailedCreate", "not a revision",
+              "2026-12-01T10:06:00Z"),
+    ]
+    return state
 
 
 # -- the listing ------------------------------------------------------------------------------
@@ -324,3 +376,37 @@ def test_cluster_status_shows_pending_work_of_a_real_nats_server(kube, capsys, t
         nats.wait(timeout=30)
     assert cli_main(["status", "--cluster", "--kubeconfig", str(kubeconfig), "--nats-url", url]) == 1
     assert f"cannot reach NATS at {url}" in capsys.readouterr().err
+
+
+def test_not_ready_revisions_show_their_reason_and_message(kube, capsys, monkeypatch):
+    """A revision that is not ready shows why in the Revisions table and in --json: the Ready
+    condition's reason, else the first other condition that says something (the scheduler's
+    message), and the newest Warning event (the API server's rejection of the Deployment,
+    which Knative reports only as an event while Ready stays Unknown / Deploying)."""
+    fake, kubeconfig = kube
+    fake.state = not_ready_state()
+    doc = _status(capsys, "--kubeconfig", kubeconfig)
+    revs = {r["name"]: r for s in doc["services"] for r in s["revisions"]}
+    trainer = revs["trainer-shard-0-00002"]
+    assert (trainer["ready"], trainer["reason"], trainer["message"]) == ("Unknown", "Deploying", None)
+    assert trainer["warning"] == {"reason": "InternalError", "message": PORT_ZERO}
+    sampler = revs["sampler-00003"]
+    assert (sampler["reason"], sampler["message"]) == ("Unschedulable", "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")
+    assert sampler["warning"] is None and revs["sampler-00002"]["warning"] is None
+    assert revs["gateway-00002"]["message"] == "Container failed with: KeyError: 'OPENRL_NATS_URL'"
+    assert EVENTS_PATH in fake.paths
+
+    monkeypatch.setenv("COLUMNS", "400")
+    assert cli_main(["status", "--cluster", "--kubeconfig", str(kubeconfig)]) == 0
+    out = capsys.readouterr().out
+    assert "why not ready" in out
+    assert f"Deploying; last warning: InternalError: {PORT_ZERO}" in out
+    assert "Unschedulable: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu." in out
+    assert "ExitCode1: Container failed with: KeyError: 'OPENRL_NATS_URL'" in out
+    assert "old failure" not in out and "not a revision" not in out
+
+    # an API that does not let us list events: the conditions still show, no error
+    del fake.state[EVENTS_PATH]
+    doc = _status(capsys, "--kubeconfig", kubeconfig)
+    revs = {r["name"]: r for s in doc["services"] for r in s["revisions"]}
+    assert revs["trainer-shard-0-00002"]["warning"] is None and revs["sampler-00003"]["reason"] == "Unschedulable"

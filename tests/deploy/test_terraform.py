@@ -271,6 +271,70 @@ def test_knative_serving_config_admits_the_services():
     assert ke["spec"]["config"]["features"]["new-trigger-filters"] == "enabled"
 
 
+#: The lowest Kubernetes each Knative Serving release starts on (knative.dev/pkg version.go
+#: DefaultKubernetesMinVersion at the commit the release's go.mod pins; serving 1.23: v1.34.0).
+#: A new knative_serving_version needs its entry here.
+KNATIVE_MIN_KUBERNETES = {"1.23": (1, 34)}
+
+
+def _minor(version: str) -> tuple[int, int]:
+    m = re.match(r"^(\d+)\.(\d+)", version)
+    assert m, version
+    return int(m.group(1)), int(m.group(2))
+
+
+def _terraform_eval(tmp_path: Path, variables: str, outputs: dict[str, str], tfvars: dict[str, str]):
+    """``terraform plan`` of a provider-less module made of ``variables`` (HCL text) and one
+    output per ``outputs`` entry: (return code, output text). No provider, no network."""
+    terraform = find_tool("terraform")
+    if terraform is None:
+        pytest.skip(f"terraform not found: {INSTALL_HINT}")
+    body = variables + "".join(f'\noutput "{k}" {{\n  value = {v}\n}}\n' for k, v in outputs.items())
+    (tmp_path / "main.tf").write_text(body)
+    env = {**os.environ, "CHECKPOINT_DISABLE": "1", "TF_IN_AUTOMATION": "1", "NO_COLOR": "1"}
+    init = subprocess.run([terraform, "init", "-input=false", "-no-color"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert init.returncode == 0, init.stdout + init.stderr
+    args = [a for k, v in tfvars.items() for a in ("-var", f"{k}={v}")]
+    proc = subprocess.run([terraform, "plan", "-input=false", "-no-color", *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=env)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_gke_version_satisfies_knative_minimum(tmp_path):
+    """Knative Serving refuses to start on a Kubernetes older than its minimum (1.34 for 1.23),
+    and a release channel alone does not say which version GKE picks: the cluster pins
+    ``min_master_version = var.kubernetes_version``, whose default and validation keep it at the
+    minimum or above, and a postcondition fails the apply if GKE's ``master_version`` is older.
+    The validation and the postcondition's expression are evaluated by the real terraform
+    binary in a provider-less module (no cloud)."""
+    var = config()["variable"]
+    low = KNATIVE_MIN_KUBERNETES.get(var["knative_serving_version"]["default"])
+    assert low, f"KNATIVE_MIN_KUBERNETES has no entry for Knative Serving {var['knative_serving_version']['default']}"
+    assert _minor(var["kubernetes_version"]["default"]) >= low
+    cluster = res("google_container_cluster", "main")
+    assert cluster["min_master_version"] == "${var.kubernetes_version}"
+    assert one(cluster["release_channel"])["channel"] == "${var.release_channel}"
+    gke = (TF / "gke.tf").read_text()
+    post = re.search(r"postcondition \{\s*condition\s*=\s*(.+)\n", gke)
+    assert post and "self.master_version" in post.group(1), "google_container_cluster.main: no master_version postcondition"
+    assert f">= {low[1]}" in post.group(1)
+    text = (TF / "variables.tf").read_text()
+    block = re.search(r'variable "kubernetes_version" \{.*?\n\}\n', text, re.S).group(0)
+    for version, ok in (("1.34", True), ("1.35.2-gke.1100", True), ("1.33", False), ("1.9", False), ("latest", False)):
+        rc, out = _terraform_eval(tmp_path, block, {}, {"kubernetes_version": version})
+        assert (rc == 0) is ok, (version, out[-1500:])
+        if not ok:
+            assert "needs Kubernetes >= 1.34" in out, out[-1500:]
+    cond = post.group(1).strip()
+    outs = {f"v{i}": cond.replace("self.master_version", f'"{v}"') for i, v in
+            enumerate(["1.34.1-gke.1200", "1.36.0-gke.5", "1.33.9-gke.1", "1.4.0"])}
+    rc, out = _terraform_eval(tmp_path, "", outs, {})
+    assert rc == 0, out[-1500:]
+    got = dict(re.findall(r"\+ (v\d) += (true|false)", out))
+    assert got == {"v0": "true", "v1": "true", "v2": "false", "v3": "false"}, out[-1500:]
+
+
 def test_versions_match_the_vendored_schemas():
     """The CRD schemas the manifests are validated against are those terraform installs."""
     readme = (ROOT / "tests" / "data" / "schemas" / "README.md").read_text()

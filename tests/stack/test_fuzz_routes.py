@@ -15,6 +15,12 @@ Properties: never a 5xx; every 4xx is the JSON shape of docs/errors.md naming a 
 and a sentinel run of another key gives the same logprobs as before the fuzzing (its weights
 did not change). The number of generated inputs is printed and written to
 ``$OPENRL_FUZZ_REPORT`` when set.
+
+Reproducible in CI: hypothesis runs derandomized (the same inputs on every run of the same
+code), and every request that ever broke a route is replayed from the example database in
+the repo, ``tests/data/fuzz_findings.jsonl`` (tests/fuzz_findings.py). The long randomized
+run is ``bench/fuzz_routes.sh`` (``OPENRL_FUZZ_RANDOM=1``, a printed seed, many more
+examples); it appends what it finds to that file. Run it before a change to the gateway is done.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tinker import types
 
+import fuzz_findings
 from conftest import BASE_MODEL
 from fixtures_keys import MAX_BODY_BYTES
 from openrl.edge import proto
@@ -43,11 +50,16 @@ PB = {"Content-Type": "application/x-protobuf"}
 JSON = {"Content-Type": "application/json"}
 # bounded so the whole file runs in about a minute on 2 cores (the stack is shared with test_errors)
 EXAMPLES = int(os.environ.get("OPENRL_FUZZ_EXAMPLES", "40"))
+#: OPENRL_FUZZ_RANDOM=1: new random inputs each run (bench/fuzz_routes.sh); else derandomized (CI)
+RANDOM = os.environ.get("OPENRL_FUZZ_RANDOM", "") not in ("", "0")
 
 
 def fuzz(n: int = EXAMPLES) -> settings:
-    """Hypothesis settings of one fuzzed route: ``n`` examples, no deadline, no example database."""
-    return settings(max_examples=n, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    """Hypothesis settings of one fuzzed route: ``n`` examples, no deadline, derandomized unless
+    ``OPENRL_FUZZ_RANDOM`` (hypothesis' own database is off either way: found failures live in
+    tests/data/fuzz_findings.jsonl)."""
+    return settings(max_examples=n, deadline=None, database=None, derandomize=not RANDOM,
+                    suppress_health_check=list(HealthCheck))
 
 COUNT: dict[str, int] = {}
 
@@ -192,22 +204,58 @@ def _bombs(times: int) -> bytes:
     return zstandard.ZstdCompressor(level=1).compress(b"\0" * (MAX_BODY_BYTES * times + 1))
 
 
-def check(r: httpx.Response, what: str) -> None:
-    """The properties of one answer: no 5xx; a 4xx is docs/errors.md's JSON shape naming a field."""
-    COUNT[what] = COUNT.get(what, 0) + 1
-    assert r.status_code < 500, (what, r.status_code, r.text[:500])
+def problem(r: httpx.Response) -> str | None:
+    """What is wrong with one answer (None: nothing): a 5xx, or a 4xx that is not docs/errors.md's
+    JSON shape naming a field."""
+    if r.status_code >= 500:
+        return f"HTTP {r.status_code}: {r.text[:300]}"
     if 400 <= r.status_code < 500:
-        assert r.headers.get("content-type", "").startswith("application/json"), (what, r.status_code, r.text[:300])
-        body = r.json()
-        assert isinstance(body, dict) and body.get("detail") and body.get("category") == "user" and body.get("field"), \
-            (what, r.status_code, body)
-    elif r.status_code == 200 and r.headers.get("content-type", "").startswith("application/json"):
+        if not r.headers.get("content-type", "").startswith("application/json"):
+            return f"HTTP {r.status_code} not JSON: {r.text[:300]}"
+        try:
+            body = r.json()
+        except ValueError:
+            return f"HTTP {r.status_code} bad JSON: {r.text[:300]}"
+        if not (isinstance(body, dict) and body.get("detail") and body.get("category") == "user" and body.get("field")):
+            return f"HTTP {r.status_code} without detail / category user / field: {r.text[:300]}"
+    return None
+
+
+def check(r: httpx.Response, what: str) -> None:
+    """The properties of one answer (:func:`problem`); remembers a failing request (LAST_FAIL)
+    for the example database and each accepted future for the final check."""
+    COUNT[what] = COUNT.get(what, 0) + 1
+    bad = problem(r)
+    if bad:
+        LAST_FAIL[:] = [(r.request, what, bad)]
+    assert bad is None, (what, bad)
+    if r.status_code == 200 and r.headers.get("content-type", "").startswith("application/json"):
         body = r.json()
         if isinstance(body, dict) and isinstance(body.get("request_id"), str):
             FUTURES.append(body["request_id"])
 
 
 FUTURES: list[str] = []
+LAST_FAIL: list[tuple] = []  # (request, route, what was wrong) of the latest failing answer
+
+
+def id_map(f: "Fz") -> dict[str, str]:
+    """The fixture's ids by placeholder name (tests/fuzz_findings.py)."""
+    return {"ss": f.session, "run": f.run, "ckpt": f.ckpt, "sampling_session": f.sampling_session,
+            "sentinel_run": f.sentinel.model_id, "sentinel_path": f.sentinel_path}
+
+
+def run_and_record(run, f: "Fz") -> None:
+    """Run a hypothesis test; when it fails, the request it failed on last (hypothesis replays
+    the shrunk example last) goes to the example database ($OPENRL_FUZZ_FINDINGS)."""
+    LAST_FAIL.clear()
+    try:
+        run()
+    except BaseException:
+        if LAST_FAIL:
+            request, route, bad = LAST_FAIL[0]
+            fuzz_findings.record(fuzz_findings.from_request(request, route, bad, id_map(f)))
+        raise
 
 
 # ----- JSON routes -------------------------------------------------------------------------
@@ -280,7 +328,7 @@ def test_json_route_never_5xx_and_names_the_field(fz, route):
         raw, headers = req
         check(fz.http.request(method, path, content=raw, headers=headers), route)
 
-    run()
+    run_and_record(run, fz)
 
 
 # ----- protobuf routes ---------------------------------------------------------------------
@@ -349,7 +397,7 @@ def test_protobuf_route_never_5xx_and_names_the_field(fz, route):
             return
         check(r, route)
 
-    run()
+    run_and_record(run, fz)
 
 
 # ----- path and query parameters -----------------------------------------------------------
@@ -400,7 +448,7 @@ def test_path_and_query_parameters_never_5xx(fz):
         check(r, method + " " + tmpl.split("?")[0].split("/")[3 if tmpl.startswith("/api") else 1])
 
     with client:
-        run()
+        run_and_record(run, fz)
 
 
 # Found by the fuzzing above (each was a 500 or a 4xx without the field), kept as fixed examples.
@@ -423,6 +471,17 @@ def test_fuzz_findings_stay_fixed(fz, method, path, body, fld):
                       headers={"X-API-Key": fz.http.headers["X-API-Key"], **JSON}, timeout=60)
     assert 400 <= r.status_code < 500, r.text
     assert r.json()["field"] == fld and r.json()["category"] == "user", r.json()
+
+
+FINDINGS = fuzz_findings.load()
+
+
+@pytest.mark.parametrize("finding", FINDINGS, ids=[f"{x['method']} {x['path'][:40]} {x['found']}" for x in FINDINGS])
+def test_example_database_stays_fixed(fz, finding):
+    """Every request in tests/data/fuzz_findings.jsonl (once a 5xx or a 4xx without the field)
+    now gets an answer with the properties above."""
+    with httpx.Client(timeout=60, headers={"X-API-Key": fz.http.headers["X-API-Key"]}) as client:
+        check(fuzz_findings.replay(client, fz.stack.base_url, finding, id_map(fz)), finding["route"])
 
 
 # ----- afterwards --------------------------------------------------------------------------

@@ -329,7 +329,9 @@ def test_serve_and_run_register_before_the_stack_starts(tiny, tmp_path, capsys, 
     assert ModelRegistry.load(models_dir=state / "models").resolve(NAME).path == tiny
 
     fake_embedded.clear()
-    rc, _, err = run_cli(capsys, "run", "--state-dir", state, "--model", f"org/second={tiny}", "s.py", "--", "-x")
+    script = tmp_path / "s.py"  # openrl run checks that the script exists before it starts anything
+    script.write_text("")
+    rc, _, err = run_cli(capsys, "run", "--state-dir", state, "--model", f"org/second={tiny}", script, "--", "-x")
     assert rc == 0, err
     ((kind, args, overlay),) = fake_embedded
     assert kind == "run" and args.script_args == ["-x"]
