@@ -152,6 +152,18 @@ def write_conformance(state: Path, keys: dict[str, str], env: dict[str, str]) ->
     return f
 
 
+def mark_conformance_used(state: Path, by: str) -> str | None:
+    """Mark ``<state>/conformance.json``'s keys as used by ``by``; returns who used them before
+    (None: nobody, the caller may use them)."""
+    f = state / CONFORMANCE_FILE
+    doc = read_conformance(state)
+    if doc.get("used_by"):
+        return str(doc["used_by"])
+    doc["used_by"] = by
+    f.write_text(json.dumps(doc, indent=2) + "\n")
+    return None
+
+
 def requires_serve_env(stack, name: str) -> None:
     """Skip (external stack only) unless the serve was started with environment variable ``name``
     (as conformance.json records it)."""

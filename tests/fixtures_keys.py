@@ -13,7 +13,9 @@ is that stack, and ``keys`` its keys, when its serve was started with the enviro
 body limit. The pass token budget and the pending-samples limit stay at the serve's defaults
 (they would change what the rest of the suite measures), so the tests that need those
 (:func:`skip_unless_own_limits`) skip; so do the tests that stop the stack's processes.
-Without conformance.json every keyed test skips.
+The keys serve one test session (the keyed tests expect fresh keys: the quota key's one run, the
+``other`` key's own runs): the first session marks conformance.json as used and later ones
+skip the keyed tests. Without conformance.json every keyed test skips.
 """
 
 from __future__ import annotations
@@ -91,8 +93,14 @@ def keyed_stack(request, tmp_path_factory, models_dir):
 
 def _external_keyed(stack):
     """The external stack with its :class:`Keys` as ``keyring``; skips unless its serve_env
-    (conformance.json) holds every variable of :func:`serve_env` with this module's values."""
-    from external_stack import skip_reason
+    (conformance.json) holds every variable of :func:`serve_env` with this module's values, the
+    serve accepts the ``other`` key, and no earlier test session used the keys (then marks them used)."""
+    import os
+    import time
+
+    import httpx
+
+    from external_stack import mark_conformance_used, skip_reason
 
     k = stack.keys
     if not {"other", "admin", "quota"} <= set(k):
@@ -103,6 +111,15 @@ def _external_keyed(stack):
     wrong = sorted(n for n, v in want.items() if stack.serve_env.get(n) != v)
     if wrong:
         pytest.skip(skip_reason(f"the serve's environment differs from tests/fixtures_keys.py in {', '.join(wrong)}"))
+    r = httpx.get(stack.base_url + "/api/v1/training_runs", params={"limit": 1}, headers={"X-API-Key": keys.other},
+                  timeout=60)
+    if r.status_code == 401:
+        pytest.skip(skip_reason("the serve does not accept conformance.json's keys (start it with the environment "
+                                "that bench/gpu_conformance.py --print-env printed)"))
+    used = mark_conformance_used(stack.state_dir, f"pytest pid {os.getpid()} at {time.strftime('%H:%M:%S')}")
+    if used:
+        pytest.skip(skip_reason(f"its extra keys were used by an earlier test session ({used}); the keyed tests "
+                                "need a new serve (bench/gpu_conformance.py --serve starts one per run)"))
     stack.keyring = keys
     return stack
 
