@@ -24,6 +24,8 @@ cobatch_*             one datum / run alone vs packed with others in the same pa
 fwd_vs_fwdbwd         forward vs forward_backward of the same datums and weights
 save_load             before a save vs after loading it (same bytes), also after one more
                       identical step of the original and the loaded copy
+restore               a run whose trainer stopped or died and restored it vs its uninterrupted
+                      twin, step by step (logprobs and adapter weights; own-stack tests, CPU only)
 repeat_logprob        the same datum and weights in another pass of the same shape (a
                       pipelined vs a waited-for run, before vs after other traffic, a custom
                       loss's forward vs a plain forward, [T, K] column 0 vs the 1-D targets)
@@ -64,6 +66,8 @@ class Tolerances:
         fwd_vs_fwdbwd: max |delta logprob| of forward vs forward_backward on the same datums.
         save_load: max |delta logprob| before a save and after loading it (same weights), and
             after one more identical step of both.
+        restore: max |delta| of the logprobs and adapter weights of a restored run vs its
+            uninterrupted twin (same seed, data and steps).
         repeat_logprob: max |delta logprob| of the same datum and weights in two passes of the
             same shape.
         sampler_trainer_mean: mean |delta logprob| of the sampler's logprobs vs the trainer's
@@ -87,6 +91,7 @@ class Tolerances:
     cobatch_loss_rel: float
     fwd_vs_fwdbwd: float
     save_load: float
+    restore: float
     repeat_logprob: float
     sampler_trainer_mean: float
     sampler_trainer_max: float
@@ -105,6 +110,7 @@ FP32 = Tolerances(
     cobatch_loss_rel=1e-4,
     fwd_vs_fwdbwd=1e-6,
     save_load=0.0,
+    restore=1e-6,
     repeat_logprob=0.0,
     sampler_trainer_mean=1e-4,
     sampler_trainer_max=1e-4,
@@ -123,6 +129,7 @@ BF16 = Tolerances(
     cobatch_loss_rel=0.05,
     fwd_vs_fwdbwd=0.05,
     save_load=0.05,
+    restore=0.05,
     repeat_logprob=0.05,
     sampler_trainer_mean=0.02,
     sampler_trainer_max=0.5,
