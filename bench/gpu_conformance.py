@@ -87,8 +87,10 @@ def pytest_collection_finish(session) -> None:
 
 
 def pytest_collectreport(report) -> None:
-    if report.failed:
-        _write({"nodeid": report.nodeid, "outcome": "error", "phase": "collect", "reason": _reason(report)})
+    """A module that failed to import is an error; one skipped whole (``importorskip``) a skip."""
+    if report.failed or (report.skipped and report.nodeid.endswith(".py")):
+        _write({"nodeid": report.nodeid, "outcome": "error" if report.failed else "skipped", "phase": "collect",
+                "reason": _reason(report)})
 
 
 def pytest_runtest_setup(item) -> None:
