@@ -312,14 +312,20 @@ def report(out: Path, head: dict, tolerances: dict) -> tuple[str, dict]:
              f"- precision: {tolerances['precision']} (`OPENRL_TEST_PRECISION`), per-test timeout {head['timeout']} s, "
              f"budget {head['budget']} s, pytest exit code {head['rc']}", "",
              "### Bounds and what was measured (tests/tolerances.py)", "",
-             "| field | bound | measured max | measurements | over the bound |", "|---|---:|---:|---:|---:|"]
+             "| field | bound | measured max (min for a yes/no field) | measurements | over the bound |",
+             "|---|---:|---:|---:|---:|"]
     for field, bound in tolerances.items():
         if field == "precision":
             continue
         mine = [m for m in meas if m["name"] in (field, f"loss/{field}")]
         vals = [m["value"] for m in mine if m["name"] == field]
-        over = sum(1 for m in mine if m.get("bound") is not None and m["value"] > m["bound"])
-        lines.append(f"| {field} | {_fmt(bound)} | {_fmt(max(vals)) if vals else '–'} | {len(mine)} | {over} |")
+        if isinstance(bound, bool):  # a fraction that should be 1.0 where the bound is True
+            over = sum(1 for m in mine if m.get("bound") is not None and m["value"] < m["bound"])
+            worst = min(vals) if vals else None
+        else:
+            over = sum(1 for m in mine if m.get("bound") is not None and m["value"] > m["bound"])
+            worst = max(vals) if vals else None
+        lines.append(f"| {field} | {_fmt(bound)} | {_fmt(worst)} | {len(mine)} | {over} |")
     lines += ["", "### Tests", "", "| test | result | s | first line of the reason |", "|---|---|---:|---|"]
     for nodeid, r in rows.items():
         name = nodeid.removeprefix("tests/stack/")
