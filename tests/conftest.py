@@ -3,6 +3,10 @@ processes on 127.0.0.1) and real ``tinker`` SDK clients pointed at it.
 
 Nothing here is mocked: the SDK speaks HTTP to the gateway, the gateway publishes
 CloudEvents on a real JetStream, the workers answer through the KV bucket.
+
+With ``OPENRL_TEST_STACK_STATE=<state dir>`` the fixtures stand for an ``openrl serve``
+running there instead (the GPU conformance run: ``tests/external_stack.py``,
+``bench/gpu_conformance.py``); tests that start stacks of their own skip.
 """
 
 from __future__ import annotations
@@ -12,17 +16,24 @@ from pathlib import Path
 
 import pytest
 
+from external_stack import ExternalStack, external_state, skip_reason
+
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 BASE_MODEL = "Qwen/Qwen3-4B-Instruct-2507"
+#: the state dir of the external stack under test (``$OPENRL_TEST_STACK_STATE``), else None
+EXTERNAL = external_state()
 
 
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory) -> Path:
-    """One build of the offline model for the whole test session (shared by stacks)."""
+    """One build of the offline model for the whole test session (shared by stacks); with an
+    external stack, its own models dir (where its serve built the offline model)."""
     from openrl.model.registry import ModelRegistry, ensure_built
 
+    if EXTERNAL is not None:
+        return EXTERNAL / "models"
     d = Path(os.environ.get("OPENRL_TEST_MODELS", tmp_path_factory.mktemp("models")))
     ensure_built(ModelRegistry.load(None, models_dir=d))
     return d
@@ -42,7 +53,10 @@ _SESSION_KEY = "tml-test-" + __import__("secrets").token_urlsafe(18)
 
 def _make_stack(tmp_path_factory, models_dir: Path, **kw):
     """A Stack in a fresh state dir; its <state>/api_key is the session's shared test key, so
-    every test stack accepts the ``api_key`` fixture."""
+    every test stack accepts the ``api_key`` fixture. With an external stack the calling test
+    skips (it needs a stack of its own)."""
+    if EXTERNAL is not None:
+        pytest.skip(skip_reason("starts its own stack"))
     from openrl.transport.embedded import Stack, free_port
 
     state = tmp_path_factory.mktemp("state")
@@ -55,13 +69,17 @@ def _make_stack(tmp_path_factory, models_dir: Path, **kw):
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory, models_dir):
-    """The embedded stack with JetStream workers (the local pull path)."""
+    """The embedded stack with JetStream workers (the local pull path); the external stack
+    (``ExternalStack``) when ``$OPENRL_TEST_STACK_STATE`` is set."""
+    if EXTERNAL is not None:
+        yield ExternalStack.from_state(EXTERNAL)
+        return
     s = _make_stack(tmp_path_factory, models_dir).start()
     yield s
     s.stop()
 
 
-@pytest.fixture(scope="session", params=["pull-file", "push-file", "pull-gcs"])
+@pytest.fixture(scope="session", params=["pull-file"] if EXTERNAL else ["pull-file", "push-file", "pull-gcs"])
 def sdk_stack(request, tmp_path_factory, models_dir):
     """The SDK end-to-end suite runs once per variant:
 
@@ -70,6 +88,8 @@ def sdk_stack(request, tmp_path_factory, models_dir):
       (the path Knative Eventing takes), ``file://`` storage;
     - ``pull-gcs``: JetStream workers with ``gs://`` storage on a GCS emulator (the real
       google-cloud-storage client).
+
+    With an external stack only ``pull-file``: the external stack itself.
     """
     mode, storage = request.param.split("-")
     if mode == "pull" and storage == "file":
@@ -94,7 +114,7 @@ def sdk_stack(request, tmp_path_factory, models_dir):
 
 @pytest.fixture(scope="session")
 def api_key(stack) -> str:
-    """The embedded stack's API key (<state>/api_key; the same for every stack of the session)."""
+    """The stack's API key (<state>/api_key; the same for every embedded stack of the session)."""
     return stack.api_key
 
 

@@ -23,6 +23,7 @@ from tinker import types
 
 from test_compat_sdk import BASE_MODEL, LR, SEQ, datum, lp_of, new_client, ready  # noqa: F401
 from test_compat_sdk import rest, svc, target  # noqa: F401  (fixtures)
+from tolerances import TOL, check_close, check_sampler_trainer  # noqa: E402  (tests/, put on sys.path by test_compat_sdk)
 
 
 def _train_once(tc) -> None:
@@ -54,7 +55,9 @@ def test_cispo_dro_gspo(svc, loss_fn, cfg):
     adv = np.linspace(-1, 1, n).astype(np.float32).astype(np.float64)
     fb = tc.forward_backward([datum(SEQ, logprobs=old.tolist(), advantages=adv.tolist())], loss_fn,
                              loss_fn_config=cfg).result()
-    assert fb.metrics["loss:sum"] == pytest.approx(_hand_rl_loss(loss_fn, lp, old, adv, cfg), rel=1e-4, abs=1e-4)
+    check_close("fwd_vs_fwdbwd", lp_of(fb), lp, TOL.fwd_vs_fwdbwd, loss_fn=loss_fn)
+    want = _hand_rl_loss(loss_fn, lp_of(fb), old, adv, cfg)  # the formula on the pass's own logprobs
+    assert fb.metrics["loss:sum"] == pytest.approx(want, rel=1e-4, abs=1e-4)
 
 
 def test_two_d_soft_targets(svc):
@@ -75,7 +78,7 @@ def test_two_d_soft_targets(svc):
                         loss_fn_inputs={"target_tokens": enc(tt), "weights": enc(w)})
         out = tc.forward([d], "cross_entropy").result()
         lp2 = np.asarray(out.loss_fn_outputs[0]["logprobs"].tolist(), dtype=np.float64).reshape(n, K)
-        np.testing.assert_allclose(lp2[:, 0], lp1, atol=1e-5)
+        check_close("repeat_logprob", lp2[:, 0], lp1, TOL.repeat_logprob, what="[T, K] column 0 vs 1-D targets")
         assert out.metrics["loss:sum"] == pytest.approx(float(-(lp2 * w.numpy()).sum()), rel=1e-4)
 
 
@@ -110,7 +113,8 @@ def test_capabilities_info_and_optimizer_state(svc):
         _train_once(c)
     want = lp_of(tc.forward([datum(SEQ)], "cross_entropy").result())
     for c in (resumed, fresh):
-        np.testing.assert_allclose(lp_of(c.forward([datum(SEQ)], "cross_entropy").result()), want, atol=1e-5)
+        check_close("save_load", lp_of(c.forward([datum(SEQ)], "cross_entropy").result()), want, TOL.save_load,
+                    what="one more step after loading with the optimizer")
 
 
 def test_snapshots_side_by_side_and_training_client_sampler(svc):
@@ -126,8 +130,8 @@ def test_snapshots_side_by_side_and_training_client_sampler(svc):
     s1, s2 = ready(tc.create_sampling_client(p1)), ready(svc.create_sampling_client(model_path=p2))
     prompt = types.ModelInput.from_ints(SEQ)
     f1, f2 = s1.compute_logprobs(prompt), s2.compute_logprobs(prompt)
-    np.testing.assert_allclose(np.asarray(f1.result()[1:], dtype=np.float64), lp_before, atol=2e-4)
-    np.testing.assert_allclose(np.asarray(f2.result()[1:], dtype=np.float64), lp_after, atol=2e-4)
+    check_sampler_trainer(f1.result()[1:], lp_before, what="snapshot 1 of 2")
+    check_sampler_trainer(f2.result()[1:], lp_after, what="snapshot 2 of 2")
     assert not np.allclose(lp_before, lp_after, atol=1e-3)
 
 

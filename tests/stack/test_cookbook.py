@@ -30,6 +30,10 @@ from pathlib import Path
 
 import pytest
 
+from tolerances import TOL, measured
+
+pytest.importorskip("tinker_cookbook")  # (the GPU conformance run's image has no cookbook)
+
 RUNNER = Path(__file__).resolve().parents[1] / "cookbook_runner.py"
 MODEL = "Qwen/Qwen3.5-9B-Base"  # the basic recipes' DEFAULT_MODEL_NAME
 RENDERER = "role_colon"  # model_info.get_recommended_renderer_name(MODEL)
@@ -97,6 +101,8 @@ def test_rl_basic_two_steps_and_sampler_trainer_logprob_gap(stack, api_key, mode
         v1, v2 = m["optim/kl_sample_train_v1"], m["optim/kl_sample_train_v2"]
         print(f"step {m['step']}: kl_sample_train_v1={v1:.3e} kl_sample_train_v2={v2:.3e}")
         record_property(f"kl_sample_train_v1_step{m['step']}", v1)
-        # the cookbook's healthy dense-model runs are ~2e-4; ours share the numerics exactly
-        assert abs(v1) < 1e-4 and 0 <= v2 < 1e-6, m
+        measured("kl_sample_train", abs(v1), TOL.kl_sample_train, step=m["step"])
+        measured("kl_sample_train_v2", v2, TOL.kl_sample_train_v2, step=m["step"])
+        # the cookbook's healthy dense-model runs are ~2e-4; on CPU ours share the numerics exactly
+        assert abs(v1) <= TOL.kl_sample_train and 0 <= v2 <= TOL.kl_sample_train_v2, m
     assert final_checkpoints(log)["sampler_path"].startswith("tinker://")

@@ -24,7 +24,7 @@ import tinker
 from tinker import types
 
 from conftest import BASE_MODEL
-from fixtures_keys import PASS_TOKEN_BUDGET, QUOTA_TOKENS_PER_MIN
+from fixtures_keys import PASS_TOKEN_BUDGET, QUOTA_TOKENS_PER_MIN, skip_unless_own_limits
 from nats_helpers import stream_depth, wait_until
 
 
@@ -48,6 +48,8 @@ def _datums(n: int, length: int, start: int) -> list[types.Datum]:
 
 
 def test_a_flooding_key_does_not_starve_another_keys_small_run(keyed_stack, keys):
+    skip_unless_own_limits(keyed_stack, "stops the trainer process (SIGSTOP) and needs keyed_stack's "
+                                        f"{PASS_TOKEN_BUDGET}-token pass budget")
     trainer = next(p for p in keyed_stack.procs if "functions.trainer" in p.args)
     a = tinker.ServiceClient(base_url=keyed_stack.base_url, api_key=keys.user)
     b = tinker.ServiceClient(base_url=keyed_stack.base_url, api_key=keys.other)

@@ -37,6 +37,8 @@ from test_trainer_resume import _assert_same
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
+from tolerances import TOL, check_close  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory, models_dir):
@@ -96,7 +98,7 @@ def test_sdk_through_two_replicas_behaves_as_with_one(replicas, reference):
     assert {"weights/mid", "sampler_weights/mid-w", "sampler_weights/end"} <= names, names
     # a second training client from the saved state, created through the other replicas
     tc2 = svc.create_training_client_from_state_with_optimizer(state.path).result(timeout=LOST_S)
-    np.testing.assert_allclose(_step(tc2, 2), reference[0][2], rtol=0, atol=1e-6)
+    check_close("restore", _step(tc2, 2), reference[0][2], TOL.restore, what="from a saved state, one more step")
 
     hits = proxy.hits[n0:]
     by = {i: {p for j, _, p in hits if j == i} for i in (0, 1)}

@@ -20,7 +20,7 @@ import tinker
 from tinker import types
 
 from conftest import BASE_MODEL
-from fixtures_keys import MAX_PENDING_SAMPLES
+from fixtures_keys import MAX_PENDING_SAMPLES, skip_unless_own_limits
 from nats_helpers import stream_depth, wait_until
 
 
@@ -46,6 +46,8 @@ def _answer(http: httpx.Client, request_id: str, timeout_s: float = 120) -> http
 
 
 def test_full_queue_answers_429_with_retry_after(keyed_stack, keys):
+    skip_unless_own_limits(keyed_stack, "stops the sampler process (SIGSTOP) and needs keyed_stack's "
+                                        f"{MAX_PENDING_SAMPLES}-sample queue limit")
     sampler = next(p for p in keyed_stack.procs if "functions.sampler" in p.args)
     svc = tinker.ServiceClient(base_url=keyed_stack.base_url, api_key=keys.user)
     sc = svc.create_sampling_client(base_model=BASE_MODEL).result()

@@ -2,8 +2,9 @@
 ``file://`` storage): an omitted ``max_tokens`` generates until a stop or the context, never a
 hidden 16 (issue 17 item 1), and ``<base>:peft:<context>`` model names (issue 13 item 5).
 
-The offline model's context is 4,096 tokens (``openrl/data/models.toml``); the server cap
-``OPENRL_SAMPLER_MAX_TOKENS_CAP`` is left at its default, 4,096. Nothing is mocked.
+The model's context comes from ``get_server_capabilities`` (4,096 tokens for the offline
+model, ``openrl/data/models.toml``); the server cap ``OPENRL_SAMPLER_MAX_TOKENS_CAP`` is left at
+its default, 4,096. Nothing is mocked.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import tinker
 from tinker import types
 
 BASE_MODEL = "Qwen/Qwen3-4B-Instruct-2507"
-CONTEXT = 4096
 CAP = 4096
 
 
@@ -33,6 +33,13 @@ def svc(stack, api_key):
     return tinker.ServiceClient(base_url=stack.base_url, api_key=api_key)
 
 
+@pytest.fixture(scope="module")
+def context(svc) -> int:
+    """The base model's max_context_length (tokens), as the server reports it."""
+    caps = svc.get_server_capabilities()
+    return next(m.max_context_length for m in caps.supported_models if m.model_name == BASE_MODEL)
+
+
 def test_capabilities_report_the_cap(svc, stack, api_key):
     caps = tinker.RestClient(base_url=stack.base_url, api_key=api_key).get_server_capabilities().result()
     assert any(m.model_name == BASE_MODEL for m in caps.supported_models)
@@ -40,7 +47,7 @@ def test_capabilities_report_the_cap(svc, stack, api_key):
     assert raw["max_tokens_cap"] == CAP
 
 
-def test_omitted_max_tokens_runs_to_a_stop_and_reports_the_value(svc, stack, api_key):
+def test_omitted_max_tokens_runs_to_a_stop_and_reports_the_value(svc, stack, api_key, context):
     """max_tokens omitted: a seeded draw runs past 16 tokens to its stop token; the value the
     gateway used, min(cap, context - prompt), comes back in a header. (Running to the end of
     the context with no stop at all: ``test_peft_suffix_caps_the_run_context``, on a 64-token
@@ -63,7 +70,7 @@ def test_omitted_max_tokens_runs_to_a_stop_and_reports_the_value(svc, stack, api
             "sampling_params": {"temperature": 1.0, "seed": 5, "stop": [ref[k]]}}  # ends after k + 1 tokens
     r = httpx.post(stack.base_url + "/api/v1/asample", json=body, headers={"X-API-Key": api_key}, timeout=60)
     assert r.status_code == 200, r.text
-    assert r.headers["X-OpenRL-Max-Tokens"] == str(min(CAP, CONTEXT - 12))
+    assert r.headers["X-OpenRL-Max-Tokens"] == str(min(CAP, context - 12))
     assert r.headers["X-OpenRL-Max-Tokens-Cap"] == str(CAP)
 
 
@@ -94,8 +101,9 @@ def test_peft_suffix_caps_the_run_context(svc):
 
 
 @pytest.mark.parametrize("suffix, words", [(":peft:abc", "positive integer"), (":peft:0", "positive integer"),
-                                           (f":peft:{CONTEXT + 1}", f"at most {CONTEXT}")])
-def test_bad_peft_suffix_is_a_400_naming_base_model(svc, suffix, words):
+                                           (":peft:{above}", "at most {context}")])
+def test_bad_peft_suffix_is_a_400_naming_base_model(svc, context, suffix, words):
+    suffix, words = suffix.format(above=context + 1), words.format(context=context)
     with pytest.raises(tinker.BadRequestError) as ei:
         svc.create_lora_training_client(base_model=BASE_MODEL + suffix, rank=4).result()
     assert "base_model" in str(ei.value) and words in str(ei.value), str(ei.value)

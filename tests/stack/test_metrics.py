@@ -38,7 +38,8 @@ def value(samples: dict, name: str, **labels) -> float:
 
 def scrape_all(stack) -> dict[str, tuple[dict, str]]:
     ports = json.loads((stack.state_dir / "ports.json").read_text())
-    assert set(ports["metrics"]) == {"gateway", "trainer", "sampler"}
+    supervised = {"supervisor"} if getattr(stack, "external", False) else set()  # openrl serve supervises
+    assert set(ports["metrics"]) == {"gateway", "trainer", "sampler"} | supervised
     return {name: scrape(url) for name, url in ports["metrics"].items()}
 
 

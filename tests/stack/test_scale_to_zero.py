@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 
 from test_faults import LOST_S, LR, _datum, _lps, _new_run, _run_id, _service, _step, _weights
@@ -31,6 +30,7 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 from conftest import BASE_MODEL  # noqa: E402
+from tolerances import TOL, check_close  # noqa: E402
 
 IDLE_S = 2.0
 WORKERS = ("trainer", "sampler")
@@ -101,7 +101,7 @@ def test_idle_stack_scales_to_zero_and_the_run_continues(zstack, trained, capsys
         _assert_same(trained["lps"], trained["ref_lps"][:4], _weights(zstack, tc, "after-cycle"), trained["ref_w4"])
     else:  # the other test ran first: logprobs only
         for a, b in zip(trained["lps"], trained["ref_lps"]):
-            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+            check_close("restore", a, b, TOL.restore)
     log = (zstack.state_dir / "logs" / "trainer.log").read_text()
     assert f"restored run state of {_run_id(tc)} at cursor" in log  # from the flush its SIGTERM made
 
@@ -123,6 +123,6 @@ def test_train_and_sample_requests_arriving_together_at_zero(zstack, trained):
     sample = trained["sample"]()
     assert [s.tokens for s in sample.result(timeout=LOST_S).sequences] == trained["before"]
     opt.result(timeout=LOST_S)
-    np.testing.assert_allclose(_lps(fb), trained["ref_lps"][k], rtol=0, atol=1e-6)
+    check_close("restore", _lps(fb), trained["ref_lps"][k], TOL.restore)
     trained["steps"] = k + 1
     assert all(sup.proc(name) is not at_zero[name] for name in WORKERS)  # both were started again

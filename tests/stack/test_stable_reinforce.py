@@ -33,6 +33,7 @@ def svc(stack, api_key):
 @pytest.fixture(scope="module")
 def rollout(svc):
     """A training client, and a two-turn trajectory sampled from its current weights, as datums."""
+    pytest.importorskip("tinker_cookbook")  # (the GPU conformance run's image has no cookbook)
     from tinker_cookbook.completers import TinkerTokenCompleter
     from tinker_cookbook.rl.data_processing import trajectory_to_data
     from tinker_cookbook.rl.types import Trajectory, Transition

@@ -3,7 +3,8 @@
 Four unmodified ``tinker`` training clients, each in its own thread, step at once against
 the embedded stack (gateway -> NATS JetStream -> trainer worker). The trainer's own
 ``/metrics`` (the ``openrl_trainer_packed_runs`` histogram) says how many runs each
-forward_backward pass held; the losses must equal those of the same runs stepped alone.
+forward_backward pass held; the losses must equal those of the same runs stepped alone
+(within ``cobatch_loss_rel`` of tests/tolerances.py).
 Nothing is mocked.
 """
 
@@ -16,6 +17,7 @@ import tinker
 from tinker import types
 
 from conftest import BASE_MODEL
+from tolerances import TOL, measured
 from test_metrics import scrape, value
 
 RUNS, STEPS = 4, 8
@@ -74,4 +76,7 @@ def test_concurrent_sdk_runs_share_passes_and_match_solo(stack, api_key):
     for s in seeds[:2]:
         solo: list[float] = []
         _train(service, s, STEPS, solo, None)
-        assert solo == pytest.approx(losses[s], rel=1e-4, abs=1e-4), (s, solo, losses[s])
+        rel = max(abs(a - b) / max(abs(b), 1.0) for a, b in zip(solo, losses[s]))  # relative, abs below 1
+        measured("cobatch_loss_rel", rel, TOL.cobatch_loss_rel, seed=s, steps=STEPS, runs=RUNS)
+        bound = TOL.cobatch_loss_rel
+        assert solo == pytest.approx(losses[s], rel=bound, abs=bound), (s, solo, losses[s])

@@ -16,6 +16,7 @@ import tinker
 from tinker import types
 
 from conftest import BASE_MODEL
+from external_stack import requires_serve_env
 
 
 def spans(stack) -> list[dict]:
@@ -35,6 +36,7 @@ def wait_for(pred, what: str, limit_s: float = 30.0):
 
 
 def test_a_trace_spans_gateway_and_worker(stack, api_key):
+    requires_serve_env(stack, "OPENRL_TRACE_FILE")  # (conftest's stacks write <state>/traces.jsonl)
     service = tinker.ServiceClient(base_url=stack.base_url, api_key=api_key)
     tc = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5).result()
     toks = list(range(400, 410))

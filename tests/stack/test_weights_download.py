@@ -32,7 +32,7 @@ from conftest import BASE_MODEL
 pyrage = pytest.importorskip("pyrage")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
-from tinker_cookbook import weights  # noqa: E402
+weights = pytest.importorskip("tinker_cookbook.weights")
 
 SEQ = [9707, 1879, 11, 419, 374, 264, 1273, 315, 279, 11691, 9128, 13, 576, 3974, 13876, 38835]
 ADAPTER_FILES = {"adapter_model.safetensors", "adapter_config.json"}
