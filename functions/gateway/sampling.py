@@ -59,7 +59,12 @@ async def resolve_target(g: Gateway, owner: str, base_model: str | None, model_p
     else:
         require(bool(base_model), base_field, f"either {base_field} or {path_field} is required")
         base, path = base_model, None
-    g.registry.resolve(base)
+    try:
+        g.registry.resolve(base)
+    except UserError as exc:
+        if base_field == "base_model" or exc.field != "base_model":
+            raise
+        raise UserError(base_field, exc.message.removeprefix("base_model: ")) from None
     return SampleTarget(base, path)
 
 
