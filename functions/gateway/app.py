@@ -101,13 +101,13 @@ def api_router() -> APIRouter:
     """Every ``/api/v1`` route that needs an API key, under one router with
     :func:`functions.gateway.deps.authenticate` as its dependency."""
     from functions.gateway import (
-        routes_copy, routes_futures, routes_rest, routes_sampling, routes_session, routes_status, routes_trace,
-        routes_training,
+        routes_copy, routes_futures, routes_imports, routes_rest, routes_sampling, routes_session, routes_status,
+        routes_trace, routes_training,
     )
 
     api = APIRouter(dependencies=[Depends(authenticate)])
-    for mod in (routes_session, routes_training, routes_sampling, routes_futures, routes_rest, routes_copy,
-                routes_trace, routes_status):
+    for mod in (routes_session, routes_training, routes_sampling, routes_futures, routes_imports, routes_rest,
+                routes_copy, routes_trace, routes_status):
         api.include_router(mod.router)
     return api
 
@@ -157,10 +157,13 @@ def create_app(
     app.state.gw = gw
     errors.install(app)
 
-    from functions.gateway import routes_download, routes_events, routes_session, routes_status, routes_trace
+    from functions.gateway import (
+        routes_download, routes_events, routes_imports, routes_session, routes_status, routes_trace,
+    )
 
-    for public in (routes_session.public, routes_status.public, routes_download.router, routes_trace.public):
-        app.include_router(public)  # no key: healthz, /metrics, signed download URLs
+    for public in (routes_session.public, routes_status.public, routes_download.router, routes_trace.public,
+                   routes_imports.public):
+        app.include_router(public)  # no key: healthz, /metrics, signed download and upload URLs
     app.include_router(api_router())
     from functions.gateway import routes_openai
 
