@@ -102,12 +102,12 @@ def api_router() -> APIRouter:
     :func:`functions.gateway.deps.authenticate` as its dependency."""
     from functions.gateway import (
         routes_copy, routes_futures, routes_imports, routes_rest, routes_sampling, routes_session, routes_status,
-        routes_trace, routes_training,
+        routes_trace, routes_training, routes_usage,
     )
 
     api = APIRouter(dependencies=[Depends(authenticate)])
     for mod in (routes_session, routes_training, routes_sampling, routes_futures, routes_imports, routes_rest,
-                routes_copy, routes_trace, routes_status):
+                routes_copy, routes_trace, routes_status, routes_usage):
         api.include_router(mod.router)
     return api
 

@@ -48,6 +48,12 @@ async def prometheus_metrics(g: GatewayDep) -> Response:
         await metrics.refresh_queue_gauges(g.bus)
     except Exception:  # noqa: BLE001 - NATS down: still serve the process metrics
         pass
+    try:
+        from functions.gateway.routes_usage import refresh_gauges
+
+        await refresh_gauges(g)  # openrl_key_usage{owner, measure}: per-key usage from the KV bucket
+    except Exception:  # noqa: BLE001 - NATS or storage down: still serve the rest
+        log.warning("per-key usage gauges not refreshed", exc_info=True)
     body, ctype = metrics.exposition()
     return Response(content=body, media_type=ctype)
 
