@@ -262,16 +262,37 @@ def _params(req: _SamplingFields, max_tokens: int | None) -> dict:
     return p
 
 
+#: Tinker field names (of :mod:`functions.gateway.sampling` and the sampler) -> the OpenAI
+#: request's, so that a refusal names what the caller sent
+_FIELDS = {"num_samples": "n", "sampling_params.max_tokens": "max_tokens", "sampling_params.temperature": "temperature",
+           "sampling_params.top_p": "top_p", "sampling_params.top_k": "top_k", "sampling_params.seed": "seed",
+           "sampling_params.stop": "stop", "prompt.chunks": "prompt", "topk_prompt_logprobs": "logprobs"}
+
+
 async def _sample(g: Gateway, caller: Caller, target: SampleTarget, model: str, prompts: list[list[int]],
-                  n: int, params: dict, extra: dict) -> list[SampleResult]:
-    """Publish one sample request per prompt (``n`` sequences each), then wait for all."""
-    rids = []
-    for tokens in prompts:
-        rid = f"{caller.owner}:openai:{uuid.uuid4().hex}"
-        await submit_sample(g, target, caller.owner, rid, model,
-                            {"prompt_tokens": tokens, "num_samples": n, "sampling_params": params, **extra})
-        rids.append(rid)
-    return list(await asyncio.gather(*(wait_sample(g, rid, SAMPLE_TIMEOUT_S) for rid in rids)))
+                  n: int, params: dict, extra: dict, topk_field: str = "logprobs") -> list[SampleResult]:
+    """Publish one sample request per prompt (``n`` sequences each), then wait for all.
+
+    Raises:
+        UserError: as :func:`functions.gateway.sampling.submit_sample` / the sampler refuse, with
+            the field renamed to the OpenAI request's (``n``, ``max_tokens``, ``temperature``, ...;
+            ``topk_field`` for the top-K width).
+    """
+    try:
+        rids = []
+        for tokens in prompts:
+            rid = f"{caller.owner}:openai:{uuid.uuid4().hex}"
+            await submit_sample(g, target, caller.owner, rid, model,
+                                {"prompt_tokens": tokens, "num_samples": n, "sampling_params": params, **extra})
+            rids.append(rid)
+        return list(await asyncio.gather(*(wait_sample(g, rid, SAMPLE_TIMEOUT_S) for rid in rids)))
+    except UserError as exc:
+        fld = {**_FIELDS, "topk_sample_logprobs": topk_field}.get(exc.field)
+        if fld is None:
+            raise
+        err = UserError(fld, exc.message.split(": ", 1)[-1])
+        err.status = exc.status
+        raise err from None
 
 
 def _cut_at_stop(text: str, stops: list[str] | None) -> tuple[str, bool]:
@@ -444,7 +465,7 @@ async def chat_completions(req: ChatCompletionRequest, g: GatewayDep, caller: Op
     k = req.top_logprobs or 0
     extra = {"topk_sample_logprobs": k} if req.logprobs and k else {}
     mt = req.max_completion_tokens or req.max_tokens
-    [res] = await _sample(g, caller, target, req.model, [prompt], req.n, _params(req, mt), extra)
+    [res] = await _sample(g, caller, target, req.model, [prompt], req.n, _params(req, mt), extra, "top_logprobs")
     stops = req.stops()
     choices, n_out = [], 0
     for si, seq in enumerate(res.sequences):

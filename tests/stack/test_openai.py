@@ -131,7 +131,8 @@ def test_refusals_name_the_field(oai, stack):
         (dict(model="tinker://nope:train:0/sampler_weights/x", prompt="hi"), openai.NotFoundError, "model"),
         (dict(model=BASE_MODEL, prompt="hi", presence_penalty=0.5), openai.BadRequestError, "presence_penalty"),
         (dict(model=BASE_MODEL, prompt="hi", logprobs=50), openai.BadRequestError, "logprobs"),
-        (dict(model=BASE_MODEL, prompt="hi", max_tokens=10**6), openai.BadRequestError, "sampling_params.max_tokens"),
+        (dict(model=BASE_MODEL, prompt="hi", max_tokens=10**6), openai.BadRequestError, "max_tokens"),
+        (dict(model=BASE_MODEL, prompt="hi", n=10**4), openai.BadRequestError, "n"),
     ]
     for kw, exc, fld in cases:
         with pytest.raises(exc) as ei:
