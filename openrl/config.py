@@ -85,6 +85,8 @@ class Settings(BaseSettings):
                                  "it again (0 = every request tries)")
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads; default half the cores")
     internal_token: str | None = Field(None, description="shared secret of the gateway's /events/* sinks")
+    usage_flush_s: float = Field(10.0, ge=0, description="how often a worker writes its per-key usage totals to "
+                                 "the KV bucket (openrl/observe/usage.py); 0 = off")
 
     # ----- trainer ----------------------------------------------------------------------
     trainer_gpu_memory: float | None = Field(

@@ -9,4 +9,6 @@ if [ -f scripts/ci-deploy-tools.sh ]; then bash scripts/ci-deploy-tools.sh; fi
 export TINKER_TELEMETRY=0 HF_HUB_OFFLINE=1
 # the compatibility subset against an older, protobuf-era SDK (its own venv)
 bash scripts/test-old-sdk.sh 0.25.0
+# lm-eval's local-completions against the OpenAI-compatible endpoint (its own venv)
+bash scripts/test-eval-harness.sh
 python -m pytest -ra "$@"

@@ -3,7 +3,9 @@
 Routes follow the Tinker wire protocol (docs: ../shared/reference/tinker-wire-protocol.md)
 under ``/api/v1``, every one of them but ``healthz`` behind the API key
 (:func:`functions.gateway.deps.authenticate` as a router dependency; an unknown ``/api/v1``
-path or method also answers 401 without a key, see :mod:`functions.gateway.errors`). Open: ``healthz``,
+path or method also answers 401 without a key, see :mod:`functions.gateway.errors`). The
+OpenAI-compatible ``/v1`` routes (:mod:`functions.gateway.routes_openai`) take the same keys as a
+bearer token. Open: ``healthz``,
 ``/metrics`` and the signed download URLs. ``/events/result`` receives result CloudEvents
 pushed by Knative Eventing (the JetStream binding writes results to the KV bucket directly),
 behind the internal token when one is configured.
@@ -99,13 +101,13 @@ def api_router() -> APIRouter:
     """Every ``/api/v1`` route that needs an API key, under one router with
     :func:`functions.gateway.deps.authenticate` as its dependency."""
     from functions.gateway import (
-        routes_copy, routes_futures, routes_rest, routes_sampling, routes_session, routes_status, routes_trace,
-        routes_training,
+        routes_copy, routes_futures, routes_imports, routes_rest, routes_sampling, routes_session, routes_status,
+        routes_trace, routes_training, routes_usage,
     )
 
     api = APIRouter(dependencies=[Depends(authenticate)])
-    for mod in (routes_session, routes_training, routes_sampling, routes_futures, routes_rest, routes_copy,
-                routes_trace, routes_status):
+    for mod in (routes_session, routes_training, routes_sampling, routes_futures, routes_imports, routes_rest,
+                routes_copy, routes_trace, routes_status, routes_usage):
         api.include_router(mod.router)
     return api
 
@@ -155,11 +157,17 @@ def create_app(
     app.state.gw = gw
     errors.install(app)
 
-    from functions.gateway import routes_download, routes_events, routes_session, routes_status, routes_trace
+    from functions.gateway import (
+        routes_download, routes_events, routes_imports, routes_session, routes_status, routes_trace,
+    )
 
-    for public in (routes_session.public, routes_status.public, routes_download.router, routes_trace.public):
-        app.include_router(public)  # no key: healthz, /metrics, signed download URLs
+    for public in (routes_session.public, routes_status.public, routes_download.router, routes_trace.public,
+                   routes_imports.public):
+        app.include_router(public)  # no key: healthz, /metrics, signed download and upload URLs
     app.include_router(api_router())
+    from functions.gateway import routes_openai
+
+    app.include_router(routes_openai.router)  # /v1: the OpenAI-compatible endpoint (its own key check)
     app.include_router(routes_events.router, dependencies=[Depends(internal_token)])
     # JSON and protobuf API bodies must also fit one NATS message (Gateway.body_limit)
     app.add_middleware(BodyCapMiddleware, limit=lambda path: gw.body_limit() if path.startswith("/api/")

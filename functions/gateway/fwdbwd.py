@@ -74,7 +74,9 @@ ForwardBackwardDep = Annotated[ForwardBackwardBody, Depends(forward_backward_bod
 
 def validate_datums(fb: proto.FwdBwdRequest, vocab: int, max_context: int | None = None) -> None:
     """Edge checks of a forward_backward body: non-empty, token ids in the vocabulary, at most
-    ``max_context`` tokens per datum, target lengths, finite float inputs (no NaN/inf), provenance
+    ``max_context`` tokens per datum, target lengths, ``loss_fn_inputs`` keys that some loss knows
+    (:data:`openrl.edge.proto.LOSS_FN_INPUT_KINDS`; a known key the loss does not read is accepted
+    and checked like the others, see :mod:`functions.trainer.losses`), finite float inputs (no NaN/inf), provenance
     spans that tile the input and the targets (:func:`openrl.edge.proto.check_spans`; accepted with
     every loss), and spans on every datum of a ``stable_reinforce`` request (they name the
     recorded samples it trains on).
@@ -92,6 +94,9 @@ def validate_datums(fb: proto.FwdBwdRequest, vocab: int, max_context: int | None
         for key, arr in d.loss_fn_inputs.items():
             a = np.asarray(arr)
             fld = f"data[{i}].loss_fn_inputs.{key}"
+            require(key in proto.LOSS_FN_INPUT_KINDS, fld,
+                    f"not an input of any loss (known: {', '.join(proto.LOSS_FN_INPUT_KINDS)}); keep client-side "
+                    "fields out of loss_fn_inputs")
             require(a.ndim >= 1 and a.shape[0] == len(d.tokens), fld,
                     f"shape {list(a.shape)}: the first dimension must be the model_input length {len(d.tokens)}")
             require(a.dtype.kind != "f" or bool(np.isfinite(a).all()), fld, "must be finite (no NaN or inf)")

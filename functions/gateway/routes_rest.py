@@ -19,7 +19,7 @@ from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, OwnedRunDe
 from functions.gateway.runs import readable_manifest
 from openrl.edge import wire
 from openrl.errors import NotFound, UserError
-from openrl.storage import TinkerPath
+from openrl.storage import KINDS, TinkerPath
 
 router = APIRouter(prefix=API_PREFIX, route_class=WireRoute)
 
@@ -128,12 +128,24 @@ async def list_user_checkpoints(g: GatewayDep, who: ScopeDep, limit: int = 100, 
             "cursor": {"offset": offset, "limit": limit, "total_count": len(allm)}}
 
 
+def bare_checkpoint_id(checkpoint_id: str) -> UserError:
+    """The 400 of a checkpoint named without its kind (``ckpt0`` where the REST routes take
+    ``weights/ckpt0``): it names ``checkpoint_id`` and the path form, as an upstream-compatible
+    server answers (not a 404 or 405 of a route that does not exist)."""
+    kinds = ", ".join(f"{k}/{checkpoint_id.split('/')[0]}" for k in KINDS)
+    return UserError("checkpoint_id", f"{checkpoint_id!r} is not a checkpoint id: checkpoint ids are <kind>/<name> "
+                                      f"(one of {kinds}), the tail of tinker://<run>/<kind>/<name>")
+
+
 async def _checkpoint(g: Gateway, owner: str, run_id: str, checkpoint_id: str) -> tuple[TinkerPath, dict]:
     """``owner``'s live checkpoint ``<kind>/<name>`` of run ``run_id`` (path + manifest).
 
     Raises:
-        UserError: not a ``<kind>/<name>`` id. NotFound: absent, expired, or another key's.
+        UserError: not a ``<kind>/<name>`` id (400 naming ``checkpoint_id`` and the path form).
+        NotFound: absent, expired, or another key's.
     """
+    if checkpoint_id.split("/")[0] not in KINDS:
+        raise bare_checkpoint_id(checkpoint_id)
     path = TinkerPath.parse(f"tinker://{run_id}/{checkpoint_id}", field="checkpoint_id")
     m = await asyncio.to_thread(g.storage.manifest, path)
     if m is None or m.get("owner") != owner or not _live(m):
@@ -208,6 +220,24 @@ async def get_checkpoint_archive_url(run_id: str, kind: str, name: str, request:
 
     path, m = await _checkpoint(g, caller.owner, run_id, f"{kind}/{name}")
     return await archive_url(request, path, m)
+
+
+# A checkpoint named by its bare id (``.../checkpoints/ckpt0``, ``.../checkpoints/ckpt0/archive``):
+# without these routes the first would answer 404 and the second 405 (the DELETE route above
+# matches its path); both answer the 400 of :func:`bare_checkpoint_id`. (A DELETE of
+# ``ckpt0/publish`` reaches :func:`delete_checkpoint`, whose kind check answers the same.)
+@router.api_route("/training_runs/{run_id}/checkpoints/{checkpoint_id}", methods=["GET", "DELETE", "POST", "PUT"])
+async def bare_checkpoint(run_id: str, checkpoint_id: str, run: OwnedRunDep) -> dict:
+    """A checkpoint id without its ``<kind>/``: 400 naming ``checkpoint_id`` (404 for another key's run)."""
+    raise bare_checkpoint_id(checkpoint_id)
+
+
+@router.api_route("/training_runs/{run_id}/checkpoints/{checkpoint_id}/{action}", methods=["GET", "POST", "PUT"])
+async def bare_checkpoint_action(run_id: str, checkpoint_id: str, action: str, run: OwnedRunDep) -> dict:
+    """``archive``, ``publish``, ``ttl``, ``external_weights_urls`` of a bare checkpoint id: 400
+    naming ``checkpoint_id``; a ``<kind>/<name>`` id never reaches here (its routes have three
+    segments)."""
+    raise bare_checkpoint_id(checkpoint_id)
 
 
 @router.get("/sessions", response_model=wire.ListSessionsResponse)

@@ -1,21 +1,23 @@
 """Sampling routes: sampling sessions and ``asample``.
 
 A sampling session is a record (base model + optional immutable ``tinker://`` snapshot
-path); the sampler is stateless, so every sample event carries both.
+path); the sampler is stateless, so every sample event carries both. The checks and the
+publishing are :mod:`functions.gateway.sampling`'s, shared with the OpenAI-compatible routes.
 """
 
 from __future__ import annotations
+
+import uuid
 
 from fastapi import APIRouter, Response
 
 from functions.gateway.context import require
 from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, WireRoute
-from functions.gateway.runs import add_to_session, readable_manifest
-from openrl.contract import payloads
+from functions.gateway.runs import add_to_session
+from functions.gateway.sampling import SampleTarget, resolve_target, submit_sample
 from openrl.contract.records import SamplerSession
 from openrl.edge import wire
-from openrl.transport.bus import SAMPLE_STREAM, now_iso
-from openrl.storage import TinkerPath
+from openrl.transport.bus import now_iso
 
 router = APIRouter(prefix=API_PREFIX, route_class=WireRoute)
 
@@ -32,17 +34,8 @@ async def create_sampling_session(req: wire.CreateSamplingSessionRequest, g: Gat
     who = caller.owner
     await g.session(req.session_id, who)
     sid = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
-    if req.model_path:
-        ckpt = TinkerPath.parse(req.model_path, field="model_path")
-        require(ckpt.kind in ("sampler_weights", "weights"), "model_path", "expected a sampler_weights or weights path")
-        manifest = await readable_manifest(g, ckpt, who, "model_path")
-        base = manifest.get("base_model")
-        path = str(ckpt)
-    else:
-        require(bool(req.base_model), "base_model", "either base_model or model_path is required")
-        base, path = req.base_model, None
-    g.registry.resolve(base)
-    rec = SamplerSession.make(sampler_id=sid, owner=who, base_model=base, model_path=path,
+    target = await resolve_target(g, who, None if req.model_path else req.base_model, req.model_path)
+    rec = SamplerSession.make(sampler_id=sid, owner=who, base_model=target.base_model, model_path=target.model_path,
                               session_id=req.session_id, created=now_iso())
     await g.bus.meta_put(rec, "sampler", sid)
     await add_to_session(g, req.session_id, "sampler_ids", sid)
@@ -61,43 +54,39 @@ async def get_sampler(sampler_id: str, g: GatewayDep, caller: CallerDep) -> dict
 
 @router.post("/asample", response_model=wire.UntypedAPIFuture)
 async def asample(req: wire.SampleRequest, g: GatewayDep, caller: CallerDep, response: Response) -> dict:
-    """Validate a sample request of the caller's sampling session and publish it; the future
-    handle names one sequence id per requested sample.
+    """Validate a sample request and publish it; the future handle names one sequence id per
+    requested sample.
+
+    The SDK always names a sampling session (``sampling_session_id`` + ``seq_id``; the future
+    id is ``<sampling_session_id>:<seq_id>``, so a resend gets the same future). Without one,
+    the request names what to sample as ``SampleRequest`` documents it: ``model_path`` (a
+    readable ``tinker://`` snapshot; ``base_model`` is inferred from it) or ``base_model``; each
+    such request is new (future id ``<owner>:sample:<random hex>``), and ``record_stability_info``
+    needs a session.
 
     An omitted ``sampling_params.max_tokens`` becomes ``min(max_tokens_limit, context -
-    len(prompt))`` here (the context of the session's base model, capped by a ``:peft:<n>``
-    suffix): sequences run until a stop or that length, never a hidden short default. The
-    value used and the cap are sent back in :data:`MAX_TOKENS_HEADER` /
-    :data:`MAX_TOKENS_CAP_HEADER`."""
+    len(prompt))`` here (the context of the base model, capped by a ``:peft:<n>`` suffix):
+    sequences run until a stop or that length, never a hidden short default. The value used and
+    the cap are sent back in :data:`MAX_TOKENS_HEADER` / :data:`MAX_TOKENS_CAP_HEADER`."""
     s = g.settings
     sid = req.sampling_session_id
-    require(sid is not None, "sampling_session_id", "required")
-    rec = await g.sampler(sid, caller.owner)
-    require(1 <= req.num_samples <= s.max_num_samples, "num_samples", f"must be between 1 and {s.max_num_samples}")
-    mt = req.sampling_params.max_tokens
-    require(mt is None or 1 <= mt <= s.max_tokens_limit, "sampling_params.max_tokens",
-            f"must be between 1 and {s.max_tokens_limit}")
-    require(req.seq_id is not None and 0 <= req.seq_id < 2**63, "seq_id", "required, between 0 and 2^63-1")
-    tokens = req.prompt.to_tokens("prompt")
-    require(len(tokens) > 0, "prompt", "the prompt has no tokens")
-    vocab = g.vocab_size(rec["base_model"])
-    bad = [t for t in tokens if t < 0 or t >= vocab]
-    require(not bad, "prompt.chunks", f"token id {bad[:1]} outside the vocabulary [0, {vocab})")
-    ctx = g.registry.resolve(rec["base_model"]).max_context_length
-    require(len(tokens) < ctx, "prompt",
-            f"prompt ({len(tokens)} tokens) leaves no room to generate in the model's context of {ctx}")
-    require(len(tokens) + (mt or 0) <= ctx, "sampling_params.max_tokens",
-            f"prompt ({len(tokens)} tokens) + max_tokens ({mt}) exceed the model's context of {ctx}")
-    if mt is None:
-        mt = min(s.max_tokens_limit, ctx - len(tokens))
-    rid = f"{sid}:{req.seq_id}"
-    await g.admit(SAMPLE_STREAM, rid, owner=rec["owner"], op="sample",
-                  tokens=len(tokens) + req.num_samples * mt)  # tokens_per_min: the most it can use
+    if sid is not None:
+        rec = await g.sampler(sid, caller.owner)
+        require(req.seq_id is not None and 0 <= req.seq_id < 2**63, "seq_id", "required, between 0 and 2^63-1")
+        target = SampleTarget(rec["base_model"], rec.get("model_path"))
+        rid, subject = f"{sid}:{req.seq_id}", sid
+    else:
+        require(req.base_model is not None or req.model_path is not None, "sampling_session_id",
+                "required, unless the request names base_model or model_path")
+        require(not req.record_stability_info, "record_stability_info",
+                "needs a sampling session (create_sampling_session): its records belong to the session")
+        target = await resolve_target(g, caller.owner, req.base_model, req.model_path)
+        rid = f"{caller.owner}:sample:{uuid.uuid4().hex}"
+        subject = target.model_path or target.base_model
     data = req.model_dump(mode="json", exclude_none=True)
-    data.update(prompt_tokens=tokens, base_model=rec["base_model"], model_path=rec.get("model_path"))
-    data.setdefault("sampling_params", {})["max_tokens"] = mt
-    data = payloads.Sample.model_validate(data).to_data()  # the wire request's fields the sampler reads
-    await g.submit("sample", rid, sid, data, future_meta={"owner": rec["owner"]})
+    data["prompt_tokens"] = req.prompt.to_tokens("prompt")
+    data.pop("prompt", None)
+    mt = await submit_sample(g, target, caller.owner, rid, subject, data)
     response.headers[MAX_TOKENS_HEADER] = str(mt)
     response.headers[MAX_TOKENS_CAP_HEADER] = str(s.max_tokens_limit)
     return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(req.num_samples)]}

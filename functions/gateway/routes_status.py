@@ -27,6 +27,7 @@ key); :func:`install` adds the request metrics / trace middleware to the app.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -49,6 +50,12 @@ async def prometheus_metrics(g: GatewayDep) -> Response:
         await metrics.refresh_queue_gauges(g.bus)
     except Exception:  # noqa: BLE001 - NATS down: still serve the process metrics
         pass
+    try:
+        from functions.gateway.routes_usage import refresh_gauges
+
+        await refresh_gauges(g)  # openrl_key_usage{owner, measure}: per-key usage from the KV bucket
+    except Exception:  # noqa: BLE001 - NATS or storage down: still serve the rest
+        log.warning("per-key usage gauges not refreshed", exc_info=True)
     body, ctype = metrics.exposition()
     return Response(content=body, media_type=ctype)
 
@@ -85,12 +92,39 @@ async def status(g: GatewayDep) -> dict:
     return await build_status(g.bus)
 
 
+access_log = logging.getLogger("openrl.gateway.access")
+_ERROR_BODY_BYTES = 4096  # how much of a refusal's body the access log reads (the JSON of docs/errors.md)
+
+
+def log_refusal(scope, route: str, status: int, body: bytes) -> None:
+    """One access-log line for an answer >= 400, in the workers' JSON log format
+    (:mod:`openrl.observe.logs`): ``msg`` "refused" (4xx, level info) or "failed" (5xx, level
+    error) with ``http_status``, ``route`` (the route template, or ``unmatched``), ``key_id``
+    (the caller's owner id, never the key; None before authentication), ``field``, ``category``
+    and ``detail`` (cut at 300 characters) from the JSON body of docs/errors.md. The method and
+    path are on every record of the request already (``http_method``, ``http_path``)."""
+    caller = (scope.get("state") or {}).get("caller")
+    try:
+        err = json.loads(body.decode("utf-8")) if body else {}
+    except (UnicodeDecodeError, ValueError):
+        err = {}
+    err = err if isinstance(err, dict) else {}
+    detail = err.get("detail", err.get("error"))
+    extra = {"http_status": status, "route": route, "key_id": getattr(caller, "owner", None),
+             "field": err.get("field"), "category": err.get("category"),
+             "detail": str(detail)[:300] if detail is not None else None}
+    if status >= 500:
+        access_log.error("failed", extra=extra)
+    else:
+        access_log.info("refused", extra=extra)
+
+
 class ObserveMiddleware:
     """Pure ASGI middleware: per-request metrics (route template, or ``unmatched`` for no route
-    and for a 401; method, status) and the
-    method / path on every log record of the request. (The HTTP server trace span comes from
-    FastAPI's built-in OpenTelemetry support, which uses the provider :mod:`openrl.observe.tracing`
-    installs.)"""
+    and for a 401; method, status), the method / path on every log record of the request, and
+    an access-log line for every answer >= 400 (:func:`log_refusal`). (The HTTP server trace span
+    comes from FastAPI's built-in OpenTelemetry support, which uses the provider
+    :mod:`openrl.observe.tracing` installs.)"""
 
     def __init__(self, app):
         self.app = app
@@ -102,10 +136,13 @@ class ObserveMiddleware:
 
         method = scope.get("method", "GET")
         status = {"code": 500}
+        body = bytearray()
 
         async def send_wrapped(message):
             if message.get("type") == "http.response.start":
                 status["code"] = message.get("status", 500)
+            elif message.get("type") == "http.response.body" and status["code"] >= 400:
+                body.extend(message.get("body", b"")[: _ERROR_BODY_BYTES - len(body)])
             await send(message)
 
         t0 = time.perf_counter()
@@ -118,6 +155,8 @@ class ObserveMiddleware:
                 route = (getattr(scope.get("route"), "path", None) if status["code"] != 401 else None) or "unmatched"
                 metrics.GATEWAY_REQUESTS.labels(route, method, str(status["code"])).inc()
                 metrics.GATEWAY_REQUEST_SECONDS.labels(route, method).observe(time.perf_counter() - t0)
+                if status["code"] >= 400:
+                    log_refusal(scope, route, status["code"], bytes(body))
 
 
 def install(app: FastAPI) -> None:

@@ -118,7 +118,8 @@ async def save_weights(req: wire.SaveWeightsRequest, g: GatewayDep, caller: Call
     path = checkpoint_path(req.model_id, "weights", req.path or f"state-{req.seq_id}")
     run = await g.model(req.model_id, caller.owner)
     return await sequenced(g, run, "save_weights", req.seq_id,
-                           {"path": path, "ttl_seconds": req.ttl_seconds, "owner": caller.owner})
+                           {"path": path, "ttl_seconds": req.ttl_seconds, "owner": caller.owner,
+                            **({"user_metadata": req.user_metadata} if req.user_metadata else {})})
 
 
 @router.post("/save_weights_for_sampler", response_model=FUTURE)
@@ -126,7 +127,8 @@ async def save_weights_for_sampler(req: wire.SaveWeightsForSamplerRequest, g: Ga
     """Named: a sampler snapshot. Unnamed: a snapshot plus a new sampling session."""
     run = await g.model(req.model_id, caller.owner)
     refuse_frozen(run)
-    data = {"ttl_seconds": req.ttl_seconds, "owner": caller.owner}
+    data = {"ttl_seconds": req.ttl_seconds, "owner": caller.owner,
+            **({"user_metadata": req.user_metadata} if req.user_metadata else {})}
     if req.path:
         data["path"] = checkpoint_path(req.model_id, "sampler_weights", req.path)
         return await sequenced(g, run, "save_weights_for_sampler", req.seq_id, data)

@@ -195,7 +195,7 @@ class SamplerFunction:
         # usage: generated tokens and engine seconds per owner (concurrent jobs share decode
         # passes, so their seconds overlap)
         metrics.record_sampled(event.get_extension("owner"), sum(len(s.tokens) for s in res.sequences),
-                               time.perf_counter() - t0)
+                               time.perf_counter() - t0, prompt_tokens=len(d.prompt_tokens))
         if d.record_stability_info:  # before the result: a client never holds an id without its record
             await self._stability().put_many(stability_records(event, d, res))
         return events.result_event(event, encode_result(res, tpl), source=SOURCE)

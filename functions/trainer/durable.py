@@ -71,11 +71,12 @@ RESULTS_NAME = "results.json"
 
 
 def lora_spec(lora: dict | None):
-    """The :class:`openrl.model.lora.LoraSpec` of a create_model ``lora_config`` dict (defaults: rank 32, all targets)."""
+    """The :class:`openrl.model.lora.LoraSpec` of a create_model ``lora_config`` dict (defaults: rank 32, all
+    targets, alpha 32; ``alpha`` is set for runs continued from an imported adapter)."""
     from openrl.model.lora import LoraSpec
 
     lora = lora or {}
-    return LoraSpec(rank=int(lora.get("rank", 32)), seed=lora.get("seed"),
+    return LoraSpec(rank=int(lora.get("rank", 32)), seed=lora.get("seed"), alpha=lora.get("alpha"),
                     train_attn=lora.get("train_attn", True), train_mlp=lora.get("train_mlp", True),
                     train_unembed=lora.get("train_unembed", True))
 

@@ -457,7 +457,8 @@ class TrainerFunction:
                                       extra={"base_model": meta.get("base_model"),
                                              "lora_config": meta.get("lora_config"),
                                              "optimizer_config": meta.get("optimizer_config"),
-                                             "seq_id": d.seq_id})
+                                             "seq_id": d.seq_id,
+                                             **({"user_metadata": d.user_metadata} if d.user_metadata else {})})
             try:
                 await asyncio.to_thread(self.storage.put_dir, path, tmp, manifest)
             except CheckpointExists:

@@ -73,9 +73,21 @@ zero on-policy, gradient ``(r_t - 1) * grad lp_t``. ``log r`` inside k3 is clamp
 ``stable_reinforce/sampled_tokens:sum``, ``stable_reinforce/tis_clipped_tokens:sum`` (tokens
 with ``r > C``) and ``stable_reinforce/kl_k3:sum`` (the k3 sum, before ``kl_coeff``).
 
+Inputs a loss does not read: a datum may carry any key of :data:`KNOWN_INPUTS` (the SDK's
+``Datum`` table: ``target_tokens``, ``weights``, ``advantages``, ``logprobs``, the clip
+thresholds, ``sequence_ratio_mask``) with any loss, as hosted Tinker's own examples do (its
+losses page puts ``weights`` in the RL datum; the SDK's ``forward_backward_custom`` docs say
+datums carry more fields than a loss uses). Each is checked (dtype, shape, finiteness) and
+then ignored by a loss that does not read it: ``weights`` does not mask an RL loss (Tinker's
+documented RL formulas read only ``target_tokens``, ``logprobs`` and ``advantages``; the
+cookbook masks RL datums with zero advantages), ``logprobs`` / ``advantages`` do nothing to
+``cross_entropy``. A key outside that table (e.g. the cookbook's client-side ``mask``, which
+its ``rl/train.py`` strips before sending) is refused: no loss could read it, and a typo
+(``weight``) would otherwise train silently without its mask.
+
 Errors are :class:`openrl.errors.UserError` naming the field: ``loss_fn`` (unknown loss),
 ``loss_fn_config.<key>`` (unknown key / bad value), ``data[i].loss_fn_inputs.<key>``
-(missing, unknown, wrong dtype, shape or non-finite input), ``data[i].model_input``.
+(missing, unknown to every loss, wrong dtype, shape or non-finite input), ``data[i].model_input``.
 """
 
 from __future__ import annotations
@@ -88,6 +100,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from openrl.edge.proto.decode import LOSS_FN_INPUT_KINDS
 from openrl.errors import UserError
 
 LossResult = tuple[Tensor, dict[str, Tensor], dict[str, float]]
@@ -247,6 +260,10 @@ class LossDef:
     check: Callable[[Mapping[str, Tensor], int], None] | None = None
 
 
+#: every ``loss_fn_inputs`` key a client may send (the SDK's ``Datum`` dtype table, as the
+#: gateway decodes it); each loss reads some of them and ignores the rest.
+KNOWN_INPUTS: tuple[str, ...] = tuple(LOSS_FN_INPUT_KINDS)
+
 _RL = ("logprobs", "advantages")
 _CLIP_INPUTS = ("clip_low_threshold", "clip_high_threshold")
 
@@ -364,19 +381,23 @@ def prepare_inputs(
         device: where the tensors go.
 
     Returns:
-        ``target_tokens`` int64 [T] or [T, K]; the float inputs float32, each of the
-        target's shape ([T] for RL inputs and clip thresholds).
+        ``target_tokens`` int64 [T] or [T, K]; the float inputs the loss reads, float32, each
+        of the target's shape ([T] for RL inputs and clip thresholds). A key of
+        :data:`KNOWN_INPUTS` that the loss does not read (``weights`` with an RL loss,
+        ``logprobs`` / ``advantages`` with ``cross_entropy``, ...) is validated like the others
+        and left out.
 
     Raises:
-        UserError: ``data[i].loss_fn_inputs.<key>`` missing / unknown / wrong dtype / wrong
-            shape / non-finite / out-of-vocabulary target; ``loss_fn`` unknown.
+        UserError: ``data[i].loss_fn_inputs.<key>`` missing / unknown to every loss / wrong
+            dtype / wrong shape / non-finite / out-of-vocabulary target; ``loss_fn`` unknown.
     """
     d = get_loss(loss_fn)
     base = f"data[{index}].loss_fn_inputs"
-    allowed = {"target_tokens", *d.required, *d.optional}
+    reads = {"target_tokens", *d.required, *d.optional}
     for key in inputs:
-        if key not in allowed:
-            raise UserError(f"{base}.{key}", f"not an input of loss_fn {loss_fn!r} (accepted: {', '.join(sorted(allowed))})")
+        if key not in KNOWN_INPUTS and key not in reads:
+            raise UserError(f"{base}.{key}", f"not an input of any loss (known: {', '.join(KNOWN_INPUTS)}); "
+                                             "keep client-side fields out of loss_fn_inputs")
     for key in ("target_tokens", *d.required):
         if key not in inputs:
             raise UserError(f"{base}.{key}", f"required by loss_fn {loss_fn!r}")
@@ -412,6 +433,8 @@ def prepare_inputs(
             raise UserError(fld, "must be finite (no NaN/inf)")
         if key in _CLIP_INPUTS and (arr < 0).any():
             raise UserError(fld, "clip thresholds are ratio bounds and must be >= 0")
+        if key not in reads:
+            continue  # a known input this loss does not read: validated above, then ignored (module doc)
         out[key] = torch.from_numpy(np.ascontiguousarray(arr)).to(device)
     if d.check is not None:
         d.check(out, index)

@@ -13,6 +13,7 @@ Subcommands::
     openrl status --cluster [--kubeconfig PATH] [--context C] [--namespace NS] [--nats-url URL] [--json]
     openrl stop [--timeout SECONDS]
     openrl runs list [--limit N] / openrl checkpoints list RUN
+    openrl adapters import DIR --base-model NAME [--project-id P] [--json]
 
 ``--state-dir DIR`` (default ``$OPENRL_HOME`` or ``~/.openrl``) is accepted before or after
 the subcommand; handlers receive it resolved to an absolute path in ``args.state_dir``.
@@ -386,6 +387,10 @@ def _configure_stop(sub, common: argparse.ArgumentParser) -> None:
 from openrl.cli import status as cli_status  # noqa: E402
 
 command(cli_status.configure)
+
+from openrl.cli import adapters as cli_adapters  # noqa: E402
+
+command(cli_adapters.configure)
 
 
 # -- entry point ----------------------------------------------------------------------------

@@ -197,9 +197,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     status = c.get("/api/v1/status")
     runs = c.get("/api/v1/training_runs", limit=args.limit, offset=0)
     sessions = c.get("/api/v1/sessions", limit=10_000, offset=0)
+    try:  # per-key usage (GET /api/v1/usage); an older gateway has no such route
+        usage = c.get("/api/v1/usage")
+    except GatewayError:
+        usage = None
     sup = supervisor_state(args.state_dir, c.base_url)
     if args.json:
         extra = {"supervisor": sup} if sup is not None else {}
+        if usage is not None:
+            extra["usage"] = usage
         print(json.dumps({"base_url": c.base_url, **status, "training_runs": runs, "sessions": sessions, **extra},
                          indent=2))
         return 0
@@ -232,6 +238,12 @@ def cmd_status(args: argparse.Namespace) -> int:
                      [[q["stream"], q["messages"], _size(q.get("bytes"))] for q in status.get("queues", [])]))
     con.print(_table(f"Training runs (latest {args.limit})", RUN_COLUMNS, _run_rows(runs.get("training_runs", [])),
                      fold=("run",)))
+    if usage is not None:
+        con.print(_table("Usage of this key (tokens; accelerator seconds; docs/internals.md: Usage and cost)",
+                         ["key id", "trained", "prefilled", "sampled", "trainer s", "sampler s", "stored"],
+                         [[u["owner"], u["tokens_trained"], u["tokens_prefilled"], u["tokens_sampled"],
+                           round(u["gpu_seconds"].get("trainer", 0.0), 1), round(u["gpu_seconds"].get("sampler", 0.0), 1),
+                           _size(u.get("stored_bytes"))] for u in usage.get("owners", [])]))
     return 0
 
 

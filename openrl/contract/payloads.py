@@ -74,6 +74,9 @@ class LoraConfig(Payload):
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = True
+    #: LoRA alpha (the delta is scaled by alpha / rank); None: Tinker's 32. Set only for runs
+    #: continued from an imported adapter (its ``lora_alpha``); the SDK has no such field.
+    alpha: float | None = None
 
 
 class CreateModel(Payload):
@@ -115,6 +118,9 @@ class SaveWeights(Sequenced):
     ttl_seconds: int | None = None
     owner: str = ""
     sampling_session_id: str | None = None
+    #: the save's ``user_metadata`` (``save_state`` / ``save_weights_for_sampler``), kept in the
+    #: manifest: listings show it and ``search_checkpoints`` filters by it
+    user_metadata: dict[str, str] | None = None
 
 
 class LoadWeights(Sequenced):

@@ -37,6 +37,8 @@ per API key (label ``owner`` = the owner id the gateway derives from the key, ne
     ``usage_tokens_trained_total{owner}``, ``usage_tokens_sampled_total{owner}``,
     ``usage_gpu_seconds_total{owner,function}``: seconds the accelerator (the CPU in the
     embedded stack) spent on the owner's requests; a packed pass is split by token share.
+    These are per worker process; :mod:`openrl.observe.usage` keeps the totals every gateway
+    replica reads (``GET /api/v1/usage``, the gateway's ``openrl_key_usage{owner,measure}``).
 
 Label values are bounded: routes are path templates, ops the Tinker operations, owners
 the API keys in use.
@@ -188,15 +190,21 @@ def record_trained(work: list[tuple[str | None, str, int]], seconds: float, *, f
         seconds: device seconds of the whole pass; split among owners by token share
             (evenly when no request has tokens).
     """
+    from openrl.observe.usage import LEDGER
+
     total = sum(t for _, _, t in work)
     for owner, op, tokens in work:
         owner = owner or UNKNOWN_OWNER
+        trained = 0
         if tokens:
             TOKENS_TRAINED.labels(op).inc(tokens)
             if op == "forward_backward":
                 USAGE_TOKENS_TRAINED.labels(owner).inc(tokens)
+                trained = tokens
         share = (tokens / total) if total else 1.0 / max(1, len(work))
         USAGE_GPU_SECONDS.labels(owner, function).inc(max(0.0, seconds) * share)
+        # the per-key ledger every gateway replica reads (openrl/observe/usage.py)
+        LEDGER.add(owner, function=function, tokens_trained=trained, seconds=max(0.0, seconds) * share)
 
 
 def record_sample_train(base_model: str | None, metrics: dict[str, float]) -> None:
@@ -218,12 +226,17 @@ def record_sample_train(base_model: str | None, metrics: dict[str, float]) -> No
     SAMPLE_TRAIN_ABS_MAX.labels(label).observe(metrics["sample_train_logprob_diff_abs:max"])
 
 
-def record_sampled(owner: str | None, tokens: int, seconds: float) -> None:
-    """Account one sampling request: ``tokens`` generated in ``seconds`` of engine time."""
+def record_sampled(owner: str | None, tokens: int, seconds: float, prompt_tokens: int = 0) -> None:
+    """Account one sampling request: ``tokens`` generated (all its sequences) after a prefill of
+    ``prompt_tokens``, in ``seconds`` of engine time."""
+    from openrl.observe.usage import LEDGER
+
     owner = owner or UNKNOWN_OWNER
     TOKENS_SAMPLED.inc(tokens)
     USAGE_TOKENS_SAMPLED.labels(owner).inc(tokens)
     USAGE_GPU_SECONDS.labels(owner, "sampler").inc(max(0.0, seconds))
+    LEDGER.add(owner, function="sampler", tokens_sampled=tokens, tokens_prefilled=prompt_tokens,
+               seconds=max(0.0, seconds))
 
 
 class FutureTracker:

@@ -351,6 +351,14 @@ def _(c):
     c.tc.forward_backward([d], "importance_sampling").result()
 
 
+@case("unknown-loss-input", "sdk", tinker.BadRequestError, r"loss_fn_inputs\.mask")
+def _(c):
+    # a key no loss knows (the cookbook's client-side "mask"); known keys a loss does not read are
+    # accepted (tests/stack/test_hosted_compat.py)
+    d = datum([1, 2, 3, 4], logprobs=[-1.0, -1.0, -1.0], advantages=[0.5, 0.5, 0.5], mask=np.ones(3, np.float32))
+    c.tc.forward_backward([d], "importance_sampling").result()
+
+
 @case("unknown-loss-fn", "future", "user", "loss_fn")
 def _(c):
     c.tc.forward_backward([datum([1, 2, 3])], "no_such_loss").result()

@@ -254,6 +254,75 @@ def test_cross_entropy_weight_shape_must_match_targets():
     assert e.value.field == "data[0].loss_fn_inputs.weights"
 
 
+# ------------------------------------------ inputs the loss does not read (issue 24 item 1)
+
+
+@pytest.mark.parametrize("name", ["cross_entropy", "importance_sampling", "ppo", "cispo", "gspo", "dro"])
+def test_known_inputs_a_loss_does_not_read_are_accepted_and_ignored(name):
+    # the datum of Tinker's losses page (target_tokens, weights, logprobs, advantages) plus the
+    # clip thresholds and sequence_ratio_mask: every loss accepts it and computes the loss (and the
+    # gradient) of only the inputs it reads
+    n = 4
+    full = {"target_tokens": np.arange(n, dtype=np.int64), "weights": np.array([0, 0, 1, 1], np.float32),
+            "logprobs": np.full(n, -1.0, np.float32), "advantages": np.array([0.0, 0.0, 1.0, -0.5], np.float32),
+            "clip_low_threshold": np.full(n, 0.5, np.float32), "clip_high_threshold": np.full(n, 1.5, np.float32),
+            "sequence_ratio_mask": np.ones(n, np.float32)}
+    d = losses.get_loss(name)
+    reads = {"target_tokens", *d.required, *d.optional}
+    prepared = losses.prepare_inputs(name, full, n_tokens=n, index=0)
+    assert set(prepared) == reads & set(full)
+    only_read = losses.prepare_inputs(name, {k: v for k, v in full.items() if k in reads}, n_tokens=n, index=0)
+    results = []
+    for inputs in (prepared, only_read):
+        lp = _lp([-0.9, -1.2, -0.7, -1.1])
+        cfg = losses.resolve_config(name, None)
+        loss, _, _ = losses.compute_loss(name, lp, inputs, cfg)
+        loss.backward()
+        results.append((loss.item(), lp.grad.clone()))
+    assert results[0][0] == results[1][0]
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
+
+
+def test_weights_do_not_mask_an_rl_loss():
+    # importance_sampling reads target_tokens, logprobs, advantages (Tinker's documented
+    # formula): loss = -sum(exp(lp - q) * A) with lp = q gives -sum(A) = -(1 + 1) = -2 whether
+    # weights zero the first position or not
+    n = 2
+    base = {"target_tokens": np.arange(n), "logprobs": np.array([-1.0, -2.0], np.float32),
+            "advantages": np.ones(n, np.float32)}
+    for w in (None, np.array([0.0, 1.0], np.float32)):
+        raw = dict(base) if w is None else {**base, "weights": w}
+        inputs = losses.prepare_inputs("importance_sampling", raw, n_tokens=n, index=0)
+        loss, _, _ = losses.compute_loss("importance_sampling", _lp([-1.0, -2.0]), inputs, {})
+        assert loss.item() == pytest.approx(-2.0)
+
+
+@pytest.mark.parametrize(
+    "name,extra,field",
+    [
+        # known inputs the loss ignores are still checked: shape, finiteness, clip sign
+        ("cross_entropy", {"advantages": np.ones(3, np.float32)}, "data[1].loss_fn_inputs.advantages"),
+        ("cross_entropy", {"logprobs": np.array([0, np.inf, 0, 0], np.float32)}, "data[1].loss_fn_inputs.logprobs"),
+        ("importance_sampling", {"weights": np.ones((4, 2), np.float32)}, "data[1].loss_fn_inputs.weights"),
+        ("importance_sampling", {"clip_low_threshold": np.full(4, -1.0, np.float32)},
+         "data[1].loss_fn_inputs.clip_low_threshold"),
+        ("dro", {"sequence_ratio_mask": np.array([[1.0]] * 4, np.float32)}, "data[1].loss_fn_inputs.sequence_ratio_mask"),
+        # a key that no loss knows is refused (the cookbook strips its client-side "mask")
+        ("cross_entropy", {"mask": np.ones(4, np.float32)}, "data[1].loss_fn_inputs.mask"),
+        ("importance_sampling", {"weight": np.ones(4, np.float32)}, "data[1].loss_fn_inputs.weight"),
+        ("ppo", {losses.RECORDED_LOGPROBS: np.ones(4, np.float32)}, f"data[1].loss_fn_inputs.{losses.RECORDED_LOGPROBS}"),
+    ],
+)
+def test_extra_inputs_are_still_validated(name, extra, field):
+    raw = {**_rl_inputs(4), "weights": np.ones(4, np.float32)}
+    if name == "cross_entropy":
+        raw.pop("logprobs"), raw.pop("advantages")
+    raw.update(extra)
+    with pytest.raises(UserError) as e:
+        losses.prepare_inputs(name, raw, n_tokens=4, index=1)
+    assert e.value.field == field
+
+
 def test_prepare_inputs_converts_dtypes():
     inputs = {"target_tokens": np.arange(3, dtype=np.int32), "weights": np.array([1, 0, 2])}
     out = losses.prepare_inputs("cross_entropy", inputs, n_tokens=3, index=0)

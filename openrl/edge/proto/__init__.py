@@ -22,6 +22,7 @@ Wire conventions: every numeric array travels as raw little-endian bytes;
 from openrl.edge.proto.compress import MAX_DECOMPRESSED_BYTES, decompress, decompress_head
 from openrl.edge.proto.decode import (
     HEAD_BYTES,
+    LOSS_FN_INPUT_KINDS,
     MAX_TENSOR_ELEMENTS,
     csr_to_dense,
     decode_forward_backward_request,
@@ -87,5 +88,6 @@ __all__ = [
     "decompress_head",
     "FILE_DESCRIPTOR",
     "MAX_TENSOR_ELEMENTS",
+    "LOSS_FN_INPUT_KINDS",
     "MAX_DECOMPRESSED_BYTES",
 ]

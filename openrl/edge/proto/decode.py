@@ -19,9 +19,12 @@ from openrl.errors import UserError
 #: tensors whose ``shape`` would densify into gigabytes).
 MAX_TENSOR_ELEMENTS = 1 << 27
 
-# loss_fn_inputs keys with a fixed dtype (the SDK's Datum table): "int" keys must
-# arrive as an integer DType, "float" keys are converted to float32 when sent as ints.
-_KEY_KIND = {
+#: The ``loss_fn_inputs`` keys this server knows, with their kind (the SDK's ``Datum`` dtype
+#: table, ``tinker/types/datum.py`` ``_KEY_TO_TYPE``): "int" keys must arrive as an integer
+#: DType, "float" keys are converted to float32 when sent as ints. Every loss accepts every
+#: one of them (validated, and ignored by a loss that does not read it); a key outside this
+#: table is refused (:func:`functions.gateway.fwdbwd.validate_datums`, docs/compatibility.md).
+LOSS_FN_INPUT_KINDS: dict[str, str] = {
     "target_tokens": "int",
     "weights": "float",
     "advantages": "float",
@@ -104,7 +107,7 @@ def _decode_tensor(t: Any, fname: str, key: str) -> np.ndarray:
     if t.dtype not in _WIRE_DTYPES:
         raise UserError(fname, f"unsupported dtype {t.dtype} (expected FLOAT32 or INT64)")
     le_dtype, out_dtype = _WIRE_DTYPES[t.dtype]
-    kind = _KEY_KIND.get(key)
+    kind = LOSS_FN_INPUT_KINDS.get(key)
     if kind == "int" and out_dtype is not np.int64:
         raise UserError(fname, "must be an int64 tensor (token ids), got float32")
     if kind == "float":

@@ -30,7 +30,7 @@ def _wire_array(arr: Any) -> tuple[np.ndarray, DType]:
 def encode_forward_backward_output(
     loss_fn_outputs: Sequence[Mapping[str, Any]],
     metrics: Mapping[str, float],
-    loss_fn_output_type: str = "ArrayRecord",
+    loss_fn_output_type: str = "TorchLossReturn",
 ) -> bytes:
     """Serialize a ``tinker_public.ForwardBackwardOutput``.
 
@@ -43,8 +43,10 @@ def encode_forward_backward_output(
             SDK expects at least ``logprobs`` (float32, shape of ``target_tokens``).
         metrics: ``"name:reduction"`` → float, e.g. ``{"loss:sum": 1.5}``; the SDK merges
             chunk metrics by the reduction (mean|sum|min|max|slack|hash2|unique).
-        loss_fn_output_type: class tag for the record; the SDK shows the part after the
-            last ``:``.
+        loss_fn_output_type: class tag of the message and of each record; the SDK shows the
+            part after the last ``:``. ``TorchLossReturn`` is what hosted Tinker sends for its
+            built-in losses, as the SDK's own tests model it (``tests/test_proto_response_conv.py``);
+            code that compares ``result.loss_fn_output_type`` sees the same string here.
 
     Returns:
         The serialized message (bytes): ``ArrayRecord`` s with ``num_datums`` set (one

@@ -20,7 +20,8 @@ __all__ = [
     "SaveWeightsForSamplerRequest", "SaveWeightsExternalRequest", "LoadWeightsRequest",
     "UnloadModelRequest", "CreateSamplingSessionRequest", "SamplingParams", "SampleRequest",
     "WeightsInfoRequest", "TtlRequest", "CopyWeightsRequest", "SetSessionProjectRequest",
-    "SessionSearchRequest",
+    "SessionSearchRequest", "ExternalWeightsUploadStartRequest", "ExternalWeightsUploadFinishRequest",
+    "CheckpointSearchCursor", "CheckpointSearchRequest",
 ]
 
 TtlSeconds = Annotated[int, Field(gt=0)]
@@ -428,3 +429,39 @@ class SessionSearchRequest(WireModel):
     owner: _TypeTag | None = None
     cursor: SessionSearchCursor | None = None
     limit: int | None = None
+
+
+class ExternalWeightsUploadStartRequest(WireModel):
+    """``/external_weights_upload_start`` (SDK 0.39+ ``RestClient.external_weights_upload_start``;
+    see :mod:`functions.gateway.routes_imports`): the base model and LoRA shape of the adapter
+    about to be uploaded."""
+
+    base_model: str = Field(min_length=1)
+    lora_config: LoraConfig
+    destination_project_id: str | None = None
+
+
+class ExternalWeightsUploadFinishRequest(WireModel):
+    """``/external_weights_upload_finish``: the ``upload_id`` of a started upload."""
+
+    upload_id: str = Field(min_length=1)
+
+
+class CheckpointSearchCursor(WireModel):
+    """A checkpoint search's ``cursor``: the previous page's ``next_cursor``, sent back."""
+
+    last_created_at: str
+    last_checkpoint_uuid: str
+
+
+class CheckpointSearchRequest(WireModel):
+    """``/checkpoints/search`` (SDK 0.39+ ``RestClient.search_checkpoints``; see
+    :func:`functions.gateway.routes_imports.search_checkpoints`)."""
+
+    project_ids: list[str] | None = None
+    user_metadata: dict[str, str] | None = None
+    checkpoint_type: Literal["training", "sampler", "external"] | None = None
+    owner: _TypeTag | None = None
+    base_models: list[str] | None = None
+    limit: int = Field(default=50, ge=1, le=200)
+    cursor: CheckpointSearchCursor | None = None
