@@ -10,6 +10,7 @@ reads every key's training runs, checkpoints and sessions; it cannot change them
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 from fastapi import APIRouter, Request
@@ -24,6 +25,17 @@ from openrl.storage import KINDS, TinkerPath
 router = APIRouter(prefix=API_PREFIX, route_class=WireRoute)
 
 
+def str_metadata(meta: dict | None) -> dict[str, str] | None:
+    """``user_metadata`` as the SDK's response types declare it (``dict[str, str]``): requests
+    may carry any JSON value (``CreateModelRequest.user_metadata: dict[str, Any]``), so a
+    non-string value is answered as its JSON text (``{"n": 3}`` -> ``{"n": "3"}``); None when
+    empty. Without this, one run created with a number in its metadata made every listing
+    that held it unreadable to the SDK (a pydantic error in the client)."""
+    if not meta:
+        return None
+    return {str(k): v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in meta.items()}
+
+
 def checkpoint_json(m: dict) -> dict:
     """A storage manifest as the SDK's ``Checkpoint`` type."""
     exp = m.get("expires_unix")
@@ -34,7 +46,7 @@ def checkpoint_json(m: dict) -> dict:
         "tinker_path": m["tinker_path"],
         "size_bytes": m.get("size_bytes"),
         "public": bool(m.get("public")),
-        "user_metadata": m.get("user_metadata"),
+        "user_metadata": str_metadata(m.get("user_metadata")),
         "expires_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(exp)) if exp else None,
     }
 
@@ -66,7 +78,7 @@ def training_run_json(rec: dict, ckpts: list[dict]) -> dict:
         "last_request_time": rec.get("last_request_time") or rec.get("created"),
         "last_checkpoint": last,
         "last_sampler_checkpoint": last_s,
-        "user_metadata": rec.get("user_metadata") or None,
+        "user_metadata": str_metadata(rec.get("user_metadata")),
     }
 
 
@@ -255,7 +267,7 @@ async def get_session(session_id: str, g: GatewayDep, caller: CallerDep) -> dict
     return {
         "training_run_ids": rec.get("training_run_ids", []),
         "sampler_ids": rec.get("sampler_ids", []),
-        "user_metadata": rec.get("user_metadata") or None,
+        "user_metadata": str_metadata(rec.get("user_metadata")),
         "display_name": rec.get("display_name"),
     }
 
@@ -313,8 +325,8 @@ async def search_sessions(g: GatewayDep, caller: CallerDep, req: wire.SessionSea
                 or (words and all(w in (r.get("display_name") or "").lower() for w in words))]
     if body.get("project_ids") is not None:
         recs = [r for r in recs if (r.get("project_id") or "default") in body["project_ids"]]
-    for k, v in (body.get("user_metadata") or {}).items():
-        recs = [r for r in recs if str((r.get("user_metadata") or {}).get(k)) == str(v)]
+    for k, v in (str_metadata(body.get("user_metadata")) or {}).items():
+        recs = [r for r in recs if (str_metadata(r.get("user_metadata")) or {}).get(k) == v]
     if body.get("statuses"):
         kinds = {q.get("type") for q in body["statuses"]}
         recs = [r for r in recs if _session_status(r)["type"] in kinds]
@@ -333,7 +345,7 @@ async def search_sessions(g: GatewayDep, caller: CallerDep, req: wire.SessionSea
         out.append({"session_id": r["session_id"], "created_at": r.get("created"), "owner": r.get("owner"),
                     "project_id": r.get("project_id") or "default", "status": _session_status(r),
                     "checkpoints_count": n, "display_name": r.get("display_name"),
-                    "user_metadata": {k: str(v) for k, v in (r.get("user_metadata") or {}).items()} or None})
+                    "user_metadata": str_metadata(r.get("user_metadata"))})
     nxt = None
     if len(recs) > limit:
         nxt = {"last_created_at": page[-1].get("created"), "last_session_id": page[-1]["session_id"]}

@@ -190,3 +190,16 @@ def test_gateway_log_records_refusals_at_the_edge(stack, http, api_key):
     assert rec["http_status"] == 404 and rec["route"] == "/api/v1/create_model" and rec["field"] == "session_id"
     assert rec["key_id"] == owner_of(api_key) and api_key not in json.dumps(rec)
     assert unauth[-1]["key_id"] is None and unauth[-1]["field"] == "X-API-Key" and unauth[-1]["route"] == "unmatched"
+
+
+def test_non_string_user_metadata_is_listed_as_strings(svc):
+    """The SDK sends ``user_metadata: dict[str, Any]`` but its response types read
+    ``dict[str, str]``: a run created with a number or a list in its metadata must not make the
+    listings that hold it unreadable (they failed in the client's pydantic before)."""
+    tc = svc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5,
+                                         user_metadata={"n": 3, "tags": ["a", "b"], "name": "x"})
+    run_id = tc.model_id
+    rc = svc.create_rest_client()
+    run = rc.get_training_run(run_id).result()
+    assert run.user_metadata == {"n": "3", "tags": '["a", "b"]', "name": "x"}
+    assert any(r.training_run_id == run_id for r in rc.list_training_runs(limit=100).result().training_runs)
