@@ -374,6 +374,8 @@ def test_sft_one_sequence_lr_1e2(clients, base, hf_base, tmp_path):
         hi = train_reference(hi_model, d, p, base.device, adapter_dtype=hi_dtype)
     finally:
         del hi_model
+        if base.device.startswith("cuda"):
+            torch.cuda.empty_cache()
     ours_err = [_loss_err(a, b) for a, b in zip(p.losses, hi.losses)]
     ref_err = [_loss_err(a, b) for a, b in zip(ref.losses, hi.losses)]
     bound = TOL.reference_loss_rel
