@@ -44,8 +44,10 @@ SEED = int(os.environ.get("OPENRL_TEST_MIX_SEED", "22"))
 TIMEOUT_S = float(os.environ.get("OPENRL_TEST_MIX_TIMEOUT_S", "600"))
 RANKS = (4, 64, 8, 32, 16)
 TOKENS = (100, 20000)  # token ids: real BPE tokens of the Qwen vocabulary
-#: op -> weight in the mix (optim_step and save follow a forward_backward / optim with some chance)
-OPS = {"forward": 3, "forward_backward": 4, "compute_logprobs": 2}
+#: op -> weight in the mix (optim_step and save follow a forward_backward / optim with some chance).
+#: "pair": a forward and a forward_backward of the run sent back to back before either result is
+#: read (two requests; the trainer may run them as one pass with rows with and without grad).
+OPS = {"forward": 3, "forward_backward": 4, "compute_logprobs": 2, "pair": 1}
 LOSSES = ("cross_entropy", "cross_entropy", "importance_sampling", "ppo")
 
 
@@ -54,8 +56,9 @@ class Op:
     """One request of a run's plan.
 
     Attributes:
-        kind: forward | forward_backward | compute_logprobs | optim_step | save.
-        lengths: the datums' token counts (model input lengths; compute_logprobs: one prompt).
+        kind: forward | forward_backward | compute_logprobs | pair | optim_step | save.
+        lengths: the datums' token counts (model input lengths; compute_logprobs: one prompt;
+            pair: the forward's datums then the forward_backward's, at least one each).
         loss_fn: for forward / forward_backward.
         seed: draws the datums' tokens and loss inputs.
     """
@@ -66,7 +69,12 @@ class Op:
     seed: int = 0
 
     def __str__(self) -> str:
-        return f"{self.kind}({self.loss_fn if self.kind.startswith('forward') else ''} lengths={self.lengths})"
+        return f"{self.kind}({self.loss_fn if self.kind in ('forward', 'forward_backward', 'pair') else ''} " \
+               f"lengths={self.lengths})"
+
+    @property
+    def requests(self) -> int:
+        return 2 if self.kind == "pair" else 1
 
 
 def _length(rng: random.Random) -> int:
@@ -75,21 +83,25 @@ def _length(rng: random.Random) -> int:
 
 
 def plan_run(run: int, n: int) -> list[Op]:
-    """``n`` requests of run ``run`` (deterministic in SEED and run)."""
+    """Ops of ``n`` requests of run ``run`` (deterministic in SEED and run)."""
     rng = random.Random(SEED * 1000 + run)
     ops: list[Op] = []
-    while len(ops) < n:
+    while sum(op.requests for op in ops) < n:
         kind = rng.choices(list(OPS), weights=list(OPS.values()))[0]
-        k = 1 if kind == "compute_logprobs" else rng.randint(1, 16)
+        if kind == "pair" and sum(op.requests for op in ops) + 2 > n:
+            kind = "forward"
+        k = 1 if kind == "compute_logprobs" else rng.randint(2 if kind == "pair" else 1, 16)
         lengths = [_length(rng) for _ in range(k)]
         if not ops:  # both ends of the length range in the run's first request
             kind, lengths = "forward_backward", [1, MAX_LEN] + lengths[:14]
         ops.append(Op(kind, lengths, rng.choice(LOSSES), rng.randrange(2**31)))
-        if kind == "forward_backward" and rng.random() < 0.6:
+        if kind in ("forward_backward", "pair") and rng.random() < 0.6:
             ops.append(Op("optim_step", [], seed=rng.randrange(2**31)))
             if rng.random() < 0.15:
                 ops.append(Op("save", [], seed=rng.randrange(2**31)))
-    return ops[:n]
+    while sum(op.requests for op in ops) > n:
+        ops.pop()
+    return ops
 
 
 def _datum(rng: random.Random, n: int, loss_fn: str) -> types.Datum:
@@ -113,14 +125,21 @@ def _finite_logprobs(values, n: int, what: str) -> None:
 def _run_one(tc, sampler_box: list, op: Op, run: int) -> None:
     """Send one request, wait for it (``TIMEOUT_S``) and check its result."""
     rng = random.Random(op.seed)
-    if op.kind in ("forward", "forward_backward"):
+    if op.kind in ("forward", "forward_backward", "pair"):
         data = [_datum(rng, n, op.loss_fn) for n in op.lengths]
-        fut = (tc.forward if op.kind == "forward" else tc.forward_backward)(data, op.loss_fn)
-        res = fut.result(timeout=TIMEOUT_S)
-        assert len(res.loss_fn_outputs) == len(data), f"{len(res.loss_fn_outputs)} outputs for {len(data)} datums"
-        for i, (out, n) in enumerate(zip(res.loss_fn_outputs, op.lengths)):
-            _finite_logprobs(out["logprobs"].tolist(), n, f"datum {i}")
-        assert math.isfinite(res.metrics["loss:sum"]), res.metrics
+        if op.kind == "pair":
+            half = len(data) // 2
+            futs = [(tc.forward(data[:half], op.loss_fn), op.lengths[:half]),
+                    (tc.forward_backward(data[half:], op.loss_fn), op.lengths[half:])]
+        else:
+            futs = [((tc.forward if op.kind == "forward" else tc.forward_backward)(data, op.loss_fn), op.lengths)]
+        for fut, lengths in futs:
+            res = fut.result(timeout=TIMEOUT_S)
+            got = len(res.loss_fn_outputs)
+            assert got == len(lengths), f"{got} outputs for {len(lengths)} datums"
+            for i, (out, n) in enumerate(zip(res.loss_fn_outputs, lengths)):
+                _finite_logprobs(out["logprobs"].tolist(), n, f"datum {i}")
+            assert math.isfinite(res.metrics["loss:sum"]), res.metrics
     elif op.kind == "optim_step":
         adam = types.AdamParams(learning_rate=rng.choice((1e-5, 1e-4, 1e-3)), weight_decay=rng.choice((0.0, 0.01)),
                                 grad_clip_norm=rng.choice((0.0, 1.0)))
@@ -152,7 +171,7 @@ def _worker(service: tinker.ServiceClient, run: int, ops: list[Op], failures: li
         try:
             t0 = time.monotonic()
             _run_one(tc, sampler_box, op, run)
-            done.append((op.kind, time.monotonic() - t0))
+            done.extend([(op.kind, time.monotonic() - t0)] * op.requests)
         except Exception as e:  # noqa: BLE001 - every failure is reported, not only the first
             failures.append((run, i, str(op), f"{type(e).__name__}: {str(e)[:300]}"))
 
@@ -170,10 +189,10 @@ def test_request_mix_never_fails(stack, api_key):
         t.start()
     for t in threads:
         t.join()
-    kinds = {k: sum(op.kind == k for p in plans for op in p) for k in (*OPS, "optim_step", "save")}
+    kinds = {k: sum(op.requests for p in plans for op in p if op.kind == k) for k in (*OPS, "optim_step", "save")}
     tokens = sum(sum(op.lengths) for p in plans for op in p)
     print(f"{REQUESTS} requests ({kinds}), {tokens} tokens, max length {MAX_LEN}: {len(done)} succeeded, "
-          f"{len(failures)} failed; seconds per kind: "
+          f"{len(failures)} failed; seconds waited per kind (threads overlap): "
           f"{ {k: round(sum(t for kk, t in done if kk == k), 1) for k in kinds} }")
     assert not failures, f"{len(failures)} of {REQUESTS} requests failed; first ones: {failures[:8]}"
     assert len(done) == REQUESTS
