@@ -90,7 +90,7 @@ def warm(a) -> int:
     svc = tinker.ServiceClient(base_url=url, api_key=key)
     out: dict = {}
     t = time.time()
-    tc = svc.create_lora_training_client(base_model=a.base_model, rank=8, seed=0)
+    tc = svc.create_lora_training_client(base_model=a.base_model, rank=8, seed=0).result(timeout=a.wait_s)
     out["create_s"] = round(time.time() - t, 1)
     t = time.time()
     d = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
