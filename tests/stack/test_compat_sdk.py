@@ -208,3 +208,16 @@ def test_bad_input_is_a_clear_user_error(svc):
         tc.forward_backward([bad], "cross_entropy").result()
     assert "400" in str(e.value) or "user" in str(getattr(e.value, "category", "")).lower()
     assert math.isfinite(tc.forward([datum(SEQ)], "cross_entropy").result().metrics["loss:sum"])
+
+
+def test_several_samples_with_topk_prompt_logprobs_answer(svc):
+    """num_samples=2 with prompt logprobs and their top-K: both sequences and one set of prompt
+    logprobs come back (on the H200 this request once got no answer within 60 s while other
+    requests shared the vLLM batch; the vLLM backend now sends one request per sample)."""
+    tc = new_client(svc, seed=2)
+    sc = ready(tc.save_weights_and_get_sampling_client())
+    res = sc.sample(types.ModelInput.from_ints(SEQ), 2, types.SamplingParams(max_tokens=4, temperature=1.0),
+                    include_prompt_logprobs=True, topk_prompt_logprobs=3).result(timeout=120)
+    assert len(res.sequences) == 2 and all(1 <= len(s.tokens) <= 4 for s in res.sequences)
+    assert res.prompt_logprobs[0] is None and len(res.prompt_logprobs) == len(SEQ)
+    assert all(len(row) == 3 for row in res.topk_prompt_logprobs[1:])
