@@ -41,7 +41,8 @@ serve() {  # STATE [extra openrl serve args...]: start in its own session (survi
   local st=$1; shift
   "$PY" bench/serve_bg.py start --state-dir "$st" "${MODEL_FLAG[@]}" --wait-s 300 -- --idle-timeout 0 \
     "${SERVE_EXTRA[@]}" "$@" 2>&1 | tail -5
-  timeout 600 "$PY" bench/serve_bg.py warm --state-dir "$st" --base-model "$NAME" --wait-s 560 2>&1 | tail -3
+  local w=$(( $(left) - 150 )); [ $w -lt 60 ] && w=60   # leave the call time for its tests and report
+  timeout $w "$PY" bench/serve_bg.py warm --state-dir "$st" --base-model "$NAME" --wait-s $w 2>&1 | tail -3
   el "serve $st warm"
 }
 conform() {  # STATE OUTNAME BUDGET_S FILES...: the runner against a running serve
