@@ -15,7 +15,7 @@ import torch
 
 from functions.sampler.backends.hf import HFBackend
 from functions.sampler.backends.routed import RoutedBackend
-from functions.sampler.backends.vllm_convert import check_supported, unsupported_field
+from functions.sampler.backends.vllm_convert import check_supported, route_reason
 from functions.sampler.engine import SampleJob, SamplerEngine
 from openrl.errors import ServerError, UserError
 from openrl.model.lora import LoraSpec, MultiLoRAModel, save_peft_adapter
@@ -24,23 +24,26 @@ from micro_model import write_micro_qwen3
 
 
 class VLLMLike(HFBackend):
-    """The transformers backend that, like the vLLM one, refuses what it cannot serve and
-    names it in ``route_reason``; ``fallback_adapters`` plays a vLLM that ignores lm_head LoRA."""
+    """The transformers backend with the vLLM backend's routing rule (``vllm_convert.route_reason``,
+    the function ``VLLMBackend.route_reason`` calls) and its refusal (``check_supported``):
+    ``unembed_adapters`` are the loaded adapters with an lm_head LoRA, ``mode`` the
+    ``unembed_lora`` mode ("fallback" plays a vLLM that ignores lm_head LoRA)."""
 
     name = "vllm"
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
-        self.fallback_adapters: set[str] = set()
+        self.unembed_adapters: set[str] = set()
+        self.mode = "keep"
         self.served = 0
 
     def route_reason(self, job):
-        return unsupported_field(job) or ("lm_head LoRA" if job.adapter in self.fallback_adapters else None)
+        return route_reason(job, self.unembed_adapters, self.mode)
 
     async def sample(self, job):
         check_supported(job)
-        if job.adapter in self.fallback_adapters:
-            raise AssertionError("an lm_head-LoRA job reached the primary")
+        if self.route_reason(job) is not None:
+            raise AssertionError(f"a job to route ({self.route_reason(job)}) reached the primary")
         self.served += 1
         return await super().sample(job)
 
@@ -104,7 +107,8 @@ async def test_an_unembed_adapter_in_fallback_mode_is_served_whole_by_the_second
     try:
         await rb.load_adapter("snap", adapter_dir)
         await ref.load_adapter("snap", adapter_dir)
-        rb.primary.fallback_adapters.add("snap")
+        rb.primary.unembed_adapters.add("snap")
+        rb.primary.mode = "fallback"
         job = SampleJob(prompt=[3, 1, 4, 1, 5], max_tokens=4, seed=9, prompt_logprobs=True, adapter="snap")
         got, want = await rb.sample(job), await ref.sample(job)
         assert got.sequences[0].tokens == want.sequences[0].tokens
@@ -145,3 +149,29 @@ async def test_the_engine_validates_against_the_primary_then_routes(model_dir):
         assert res.sequences and rb.routed == {"prompt_alt_tokens_k": 1}
     finally:
         await eng.close()
+
+
+async def test_prompt_logprobs_of_an_unembed_adapter_go_to_the_secondary(model_dir, adapter_dir):
+    """vLLM 0.24 applies an lm_head LoRA to sampled tokens but not to prompt logprobs
+    (vllm-project/vllm#51594): with the "keep" mode, sampling such an adapter stays on the
+    primary, its prompt logprobs (compute_logprobs, topk_prompt_logprobs) are served, exactly,
+    by the secondary; an adapter without lm_head LoRA stays on the primary for both."""
+    rb, built = _routed(model_dir)
+    ref = HFBackend(model_dir)
+    try:
+        for k in ("snap", "body"):
+            await rb.load_adapter(k, adapter_dir)
+            await ref.load_adapter(k, adapter_dir)
+        rb.primary.unembed_adapters.add("snap")  # "body" plays an adapter without lm_head LoRA
+        await rb.sample(SampleJob(prompt=[3, 1, 4], max_tokens=2, seed=1, adapter="snap"))
+        assert rb.primary.served == 1 and not built
+        job = SampleJob(prompt=[3, 1, 4, 1, 5], max_tokens=1, seed=2, prompt_logprobs=True, adapter="snap")
+        got, want = await rb.sample(job), await ref.sample(job)
+        assert got.prompt_logprobs[1:] == pytest.approx(want.prompt_logprobs[1:], abs=1e-6)
+        await rb.sample(SampleJob(prompt=[3, 1, 4], max_tokens=1, topk_prompt_logprobs=2, adapter="snap"))
+        assert rb.routed == {"prompt logprobs with lm_head LoRA": 2} and len(built) == 1
+        await rb.sample(SampleJob(prompt=[3, 1, 4], max_tokens=1, prompt_logprobs=True, adapter="body"))
+        assert rb.primary.served == 2 and rb.routed == {"prompt logprobs with lm_head LoRA": 2}
+    finally:
+        await rb.close()
+        await ref.close()

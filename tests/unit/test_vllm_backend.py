@@ -69,44 +69,73 @@ def test_prepare_adapter_errors(exported, tmp_path):
         prepare_adapter(tmp_path / "missing")
 
 
-def test_unembed_probe_moves_one_token_and_is_seen_by_an_engine_that_applies_lm_head_lora(exported, tmp_path):
-    """The start-up check's probe (write_unembed_probe) changes lm_head's lora_B in one row
-    only, by PROBE_DELTA / scaling; served by an engine that applies the lm_head LoRA (the
-    transformers backend does, exactly) the probe token's prompt logprobs move by nats, so
-    unembed_applied says yes; an engine that ignored lm_head LoRA would see equal values."""
+class _NoUnembedHF:
+    """A stand-in for an engine that ignores lm_head LoRA: the real transformers backend
+    loading each adapter with its lm_head tensors removed (the behaviour the check guards against)."""
+
+    def __init__(self, model_dir, workdir):
+        from functions.sampler.backends.hf import HFBackend
+
+        self.be, self.workdir = HFBackend(model_dir), workdir
+
+    async def load(self, key, d):
+        from safetensors.torch import load_file, save_file
+
+        sd = {k: v for k, v in load_file(str(d / "adapter_model.safetensors")).items() if ".lm_head." not in k}
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        cfg["target_modules"] = [t for t in cfg["target_modules"] if t != "lm_head"]
+        out = self.workdir / key.replace("/", "_").replace("#", "_")
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(sd, str(out / "adapter_model.safetensors"))
+        (out / "adapter_config.json").write_text(json.dumps(cfg))
+        await self.be.load_adapter(key, out)
+
+
+def test_unembed_check_sees_an_engine_that_applies_lm_head_lora_and_one_that_ignores_it(exported, tmp_path):
+    """The vLLM backend's start-up check (functions/sampler/backends/unembed_check.py) through
+    the real transformers backend, which applies the lm_head LoRA exactly: applied. Through the
+    same backend loading adapters without their lm_head tensors: not applied. The probe changes
+    only lm_head's two tensors."""
     import asyncio
 
     from functions.sampler.backends.hf import HFBackend
-    from functions.sampler.backends.vllm_convert import PROBE_DELTA, unembed_applied, write_unembed_probe
+    from functions.sampler.backends.unembed_check import (
+        MIN_EFFECT,
+        PROBE_LOGIT,
+        check_unembed,
+        unembed_applied,
+        write_unembed_probe,
+    )
 
-    token = 7
-    probe = write_unembed_probe(exported / "full", tmp_path / "probe", token)
+    probe, tokens = write_unembed_probe(exported / "full", tmp_path / "probe")
     a, b = load_file(str(exported / "full" / "adapter_model.safetensors")), load_file(str(probe / "adapter_model.safetensors"))
-    key = "base_model.model.lm_head.lora_B.weight"
-    diff = b[key] - a[key]
+    changed = sorted(k for k in a if not torch.equal(a[k], b[k]))
+    assert changed == ["base_model.model.lm_head.lora_A.weight", "base_model.model.lm_head.lora_B.weight"]
     cfg = json.loads((exported / "full" / "adapter_config.json").read_text())
-    scaling = cfg["lora_alpha"] / cfg["r"]
-    assert float(diff[token].norm()) == pytest.approx(PROBE_DELTA / scaling, rel=1e-5)
-    assert torch.count_nonzero(diff[torch.arange(diff.shape[0]) != token]) == 0
-    assert all(torch.equal(a[k], b[k]) for k in a if k != key)
+    B = b["base_model.model.lm_head.lora_B.weight"]
+    assert len(set(tokens)) == cfg["r"] and torch.count_nonzero(B) == cfg["r"]
+    assert float(B.abs().max()) * cfg["lora_alpha"] / cfg["r"] == pytest.approx(PROBE_LOGIT)
 
-    async def lps():
-        be = HFBackend(exported / "base")
+    async def run(engine_ignores: bool):
+        if engine_ignores:
+            stub = _NoUnembedHF(exported / "base", tmp_path / "stripped")
+            be, load = stub.be, stub.load
+        else:
+            be = HFBackend(exported / "base")
+            load = be.load_adapter
         try:
-            out = []
-            for name, d in (("full", exported / "full"), ("probe", probe)):
-                await be.load_adapter(name, d)
-                r = await be.sample(SampleJob(prompt=[token] * 9, max_tokens=1, temperature=0.0,
-                                              prompt_logprobs=True, adapter=name))
-                out.append(r.prompt_logprobs[1:])
-            return out
+            await load("snap", exported / "full")
+            return await check_unembed(be.sample, load, be.unload_adapter, "snap", exported / "full",
+                                       tmp_path / ("w1" if engine_ignores else "w0"), 128)
         finally:
             await be.close()
 
-    full, moved = asyncio.run(lps())
-    applied, d = unembed_applied(full, moved)
-    assert applied and d > 1.0
-    assert unembed_applied(full, list(full)) == (False, 0.0)
+    applied, summary = asyncio.run(run(False))
+    assert applied, summary
+    ignored, summary = asyncio.run(run(True))
+    assert not ignored and "up to 0 nats" in summary, summary
+    assert unembed_applied([(1, -2.0)], [(1, -2.0 - MIN_EFFECT / 2)])[0] is False
+    assert unembed_applied([(1, -2.0)], [(3, -0.1)]) == (True, float("inf"))
     with pytest.raises(ValueError):
         unembed_applied([], [])
 

@@ -19,12 +19,16 @@ The unembedding (``lm_head``) LoRA that the trainer writes when ``train_unembed`
 embedding module) and adds ``(h A^T) B^T * alpha / r`` to the logits, as the trainer does.
 Because a vLLM that silently ignored that LoRA would sample a different policy than the one
 trained (issue 22: 0.56 nats after 5 steps), the first adapter with an unembedding LoRA
-triggers a check (:meth:`VLLMBackend._check_unembed`): the same adapter with one token's
-unembedding row pushed by :data:`PROBE_DELTA` nats must change that token's prompt logprobs.
-If it does not (or the check fails), ``unembed_lora`` becomes ``"fallback"``: jobs on such
-adapters go to the transformers backend (:class:`functions.sampler.backends.routed.RoutedBackend`),
-which applies it exactly; ``openrl status`` shows which. ``OPENRL_VLLM_UNEMBED_LORA=fallback``
-chooses that from the start. Nothing is ever dropped.
+triggers a check (:meth:`VLLMBackend._check_unembed`, :mod:`.unembed_check`): a probe copy of
+the adapter whose lm_head LoRA moves chosen tokens by tens of nats must change the greedy
+first token. If it does not (or the check fails), ``unembed_lora`` becomes ``"fallback"``: jobs
+on such adapters go to the transformers backend
+(:class:`functions.sampler.backends.routed.RoutedBackend`), which applies it exactly; ``openrl
+status`` shows which. ``OPENRL_VLLM_UNEMBED_LORA=fallback`` chooses that from the start.
+vLLM 0.24 applies the lm_head LoRA to sampled tokens but not to *prompt* logprobs
+(vllm-project/vllm#51594): prompt-logprob jobs (``compute_logprobs`` among them) on such adapters
+always go to the transformers backend (:meth:`VLLMBackend.route_reason`). Nothing is ever
+dropped.
 
 Numerics: vLLM's default ``logprobs_mode="raw_logprobs"`` returns ``log_softmax`` of the raw
 logits in float32 (before temperature / top-k / top-p), the formula of
@@ -63,17 +67,16 @@ import torch
 
 from functions.sampler.backends.common import has_tokenizer_files, load_tokenizer, row_seed
 from functions.sampler.backends.vllm_convert import (
-    PROBE_DELTA,
     check_supported,
     model_limits,
     prepare_adapter,
     prompt_fields,
+    route_reason,
     sampling_kwargs,
     sequence_from_output,
-    unembed_applied,
     unsupported_field,
-    write_unembed_probe,
 )
+from functions.sampler.backends.unembed_check import check_unembed
 from functions.sampler.backends.vllm_settings import (
     CUDAGRAPH_SIZES,
     DEFAULT_GPU_MEMORY,
@@ -236,37 +239,26 @@ class VLLMBackend:
         self._requests[key] = req
 
     async def _check_unembed(self, key: str, directory: Path) -> None:
-        """Does this vLLM apply the unembedding LoRA? Sample the prompt logprobs of a probe
-        token under adapter ``key`` and under its :func:`write_unembed_probe` copy (that
-        token's unembedding row pushed by :data:`PROBE_DELTA` nats); equal logprobs mean the
-        lm_head LoRA is ignored, and ``unembed_lora`` becomes ``"fallback"`` (logged as an
-        error, shown by ``openrl status``). Runs once; never raises."""
+        """Does this vLLM apply the unembedding LoRA to sampled tokens? Runs
+        :func:`functions.sampler.backends.unembed_check.check_unembed` once (greedy first tokens
+        under adapter ``key`` and under a probe copy whose lm_head LoRA moves chosen tokens by
+        tens of nats). If vLLM ignores it (or the check fails), ``unembed_lora`` becomes
+        ``"fallback"``: such adapters are sampled by the transformers backend, logged as an
+        error and shown by ``openrl status``. Never raises."""
         async with self._unembed_lock:
             if self.unembed_check != "not run":
                 return
-            probe_key = f"openrl-unembed-probe:{key}"
             try:
-                token = min(1000, self.limits.vocab_size - 1)
-                dst = self.cache_dir / "unembed-probe"
-                await asyncio.to_thread(write_unembed_probe, directory, dst, token)
-                await self._register(probe_key, dst)
-                lps = []
-                for k in (key, probe_key):
-                    res = await self.sample(SampleJob(prompt=[token] * 9, max_tokens=1, temperature=0.0,
-                                                      prompt_logprobs=True, adapter=k))
-                    lps.append([float(x) for x in res.prompt_logprobs[1:]])
-                ok, d = unembed_applied(*lps)
+                ok, summary = await check_unembed(self.sample, self._register, self.unload_adapter, key, directory,
+                                                  self.cache_dir, self.limits.vocab_size)
                 if ok:
-                    self.unembed_check = f"applied (probe moved logprobs by up to {d:.2f} nats, aimed {PROBE_DELTA:.0f})"
-                    log.info("vLLM applies the unembedding LoRA: %s", self.unembed_check)
+                    self.unembed_check = f"applied to sampled tokens ({summary})"
+                    log.info("vLLM applies the unembedding LoRA: %s", summary)
                 else:
-                    self.unembed_check = (f"failed: vLLM ignored the lm_head LoRA (max |d| {d:.2g} nats); "
-                                          "those adapters are served by the transformers backend")
+                    self.unembed_check = (f"failed: vLLM ignored the lm_head LoRA ({summary}); those adapters are "
+                                          "sampled by the transformers backend")
             except Exception as e:
                 self.unembed_check = f"failed: the check raised {type(e).__name__}: {str(e)[:200]}"
-            finally:
-                if probe_key in self._ids:
-                    await self.unload_adapter(probe_key)
             if self.unembed_check.startswith("failed"):
                 self.unembed_lora = "fallback"
                 log.error("unembedding LoRA check %s", self.unembed_check)
@@ -277,15 +269,9 @@ class VLLMBackend:
 
     def route_reason(self, job: SampleJob) -> str | None:
         """Why this backend should not serve ``job`` (the routed backend then gives it to the
-        transformers backend), or None: a field without vLLM equivalent
-        (:func:`unsupported_field`), or ``"lm_head LoRA"`` for an adapter with an unembedding
-        LoRA when ``unembed_lora`` is ``"fallback"``."""
-        field = unsupported_field(job)
-        if field is not None:
-            return field
-        if self.unembed_lora == "fallback" and job.adapter in self._unembed_keys:
-            return "lm_head LoRA"
-        return None
+        transformers backend), or None: :func:`vllm_convert.route_reason` with this backend's
+        adapters that have an unembedding LoRA and its ``unembed_lora`` mode."""
+        return route_reason(job, self._unembed_keys, self.unembed_lora)
 
     def describe(self) -> dict:
         """``{"unembed_lora": mode, "unembed_check": outcome}`` for ``openrl status``."""
@@ -318,9 +304,10 @@ class VLLMBackend:
         if self._closed:
             raise ServerError("the sampler backend is closed")
         check_supported(job)
-        if self.unembed_lora == "fallback" and job.adapter in self._unembed_keys:
-            raise ServerError("this vLLM does not apply the adapter's lm_head LoRA (" + self.unembed_check
-                              + "); the routed sampler backend serves such adapters with transformers")
+        reason = self.route_reason(job)
+        if reason is not None and job.adapter in self._unembed_keys:
+            raise ServerError(f"{reason}: vLLM would not apply this adapter's lm_head LoRA ({self.unembed_check}); "
+                              "the routed sampler backend serves such jobs with transformers")
         lora = None
         if job.adapter is not None:
             lora = self._requests.get(job.adapter)

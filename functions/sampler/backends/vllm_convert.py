@@ -1,5 +1,5 @@
 """The vLLM backend's CPU-side conversions (no vLLM import): trainer adapters to vLLM-ready
-PEFT directories checked (and the unembedding probe of the start-up check), ``SampleJob`` to ``SamplingParams``
+PEFT directories checked, ``SampleJob`` to ``SamplingParams``
 keyword arguments, vLLM outputs to ``SampleResult`` fields, and the model limits read from
 ``config.json``.
 
@@ -69,73 +69,6 @@ def prepare_adapter(src: Path, *, max_rank: int | None = None) -> dict:
     return {"rank": rank, "alpha": cfg.get("lora_alpha"), "targets": sorted(targets), "unembed": unembed}
 
 
-#: Size (nats) of the logit change on the probe token that :func:`write_unembed_probe` aims
-#: for, and the least change :func:`unembed_applied` accepts as "applied".
-PROBE_DELTA, PROBE_MIN_EFFECT = 8.0, 0.05
-
-
-def write_unembed_probe(src: Path, dst: Path, token: int, seed: int = 0) -> Path:
-    """A copy of adapter ``src`` whose unembedding LoRA moves token ``token``'s logit a lot.
-
-    ``lora_B`` of ``lm_head`` ([V, r]) gets ``PROBE_DELTA / scaling * u`` added to row
-    ``token`` (``u`` a seeded random unit vector in rank space, scaling = alpha / r), so the
-    probe's logit of ``token`` differs from ``src``'s by ``PROBE_DELTA * u . (A h)`` at every
-    position, about ``PROBE_DELTA`` nats for a unit-scale ``A h`` (A is the trainer's random
-    init, never zero), while every other logit is unchanged. Everything else is copied.
-
-    Returns:
-        ``dst`` (created or replaced).
-
-    Raises:
-        UserError("model_path", ...): ``src`` has no lm_head LoRA or is unreadable.
-    """
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    src, dst = Path(src), Path(dst)
-    try:
-        sd = load_file(str(src / ADAPTER_WEIGHTS_NAME))
-        cfg = json.loads((src / ADAPTER_CONFIG_NAME).read_text())
-    except Exception as e:
-        raise UserError("model_path", f"cannot read adapter in {src}: {e}") from None
-    keys = [k for k in sd if k.split(".")[-3:-1] == [UNEMBED_TARGET, "lora_B"]
-            or k.split(".")[-4:-2] == [UNEMBED_TARGET, "lora_B"]]
-    if not keys:
-        raise UserError("model_path", f"{src} has no lm_head LoRA")
-    r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha") or cfg["r"])
-    scaling = alpha / r if not cfg.get("use_rslora") else alpha / r ** 0.5
-    g = torch.Generator().manual_seed(seed)
-    for k in keys:
-        b = sd[k].clone()
-        u = torch.randn(b.shape[1], generator=g)
-        b[token] += (PROBE_DELTA / scaling) * u / u.norm()
-        sd[k] = b.to(sd[k].dtype)
-    if dst.exists():
-        shutil.rmtree(dst)
-    dst.mkdir(parents=True)
-    save_file(sd, str(dst / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
-    (dst / ADAPTER_CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True))
-    return dst
-
-
-def unembed_applied(lp_adapter: list[float], lp_probe: list[float]) -> tuple[bool, float]:
-    """Did the engine apply the unembedding LoRA? Given the probe token's prompt logprobs
-    under the adapter and under its :func:`write_unembed_probe` copy (same positions), the
-    answer is yes when they differ by more than :data:`PROBE_MIN_EFFECT` nats somewhere
-    (an engine that ignores ``lm_head`` LoRA returns identical values).
-
-    Returns:
-        ``(applied, max |difference| in nats)``.
-
-    Raises:
-        ValueError: the lists are empty or of different lengths.
-    """
-    if not lp_adapter or len(lp_adapter) != len(lp_probe):
-        raise ValueError(f"need equal, non-empty lists, got {len(lp_adapter)} and {len(lp_probe)}")
-    d = max(abs(float(a) - float(b)) for a, b in zip(lp_adapter, lp_probe))
-    return d > PROBE_MIN_EFFECT, d
-
-
 # ---------------------------------------------------------------------------- requests
 
 
@@ -147,6 +80,35 @@ def unsupported_field(job: SampleJob) -> str | None:
         return "target_prompt_logprobs"
     if job.prompt_alt_tokens_k:
         return "prompt_alt_tokens_k"
+    return None
+
+
+def route_reason(job: SampleJob, unembed_adapters: set[str] | frozenset[str], unembed_mode: str) -> str | None:
+    """Why the vLLM backend should not serve ``job`` exactly, or None. The routed backend
+    (:class:`functions.sampler.backends.routed.RoutedBackend`) sends such jobs to its
+    transformers backend.
+
+    - a field without vLLM equivalent (:func:`unsupported_field`);
+    - ``"prompt logprobs with lm_head LoRA"``: prompt logprobs (``prompt_logprobs``,
+      ``topk_prompt_logprobs``; the SDK's ``compute_logprobs`` is one) of an adapter with an
+      unembedding LoRA. vLLM 0.24 maps LoRA to logits one row per sequence, and prompt logprobs
+      have one row per prompt token, so their lm_head delta lands on the wrong rows
+      (vllm-project/vllm#51594; on the H200, 2026-12-02: sampler vs trainer mean |delta| 0.1-4.3
+      nats after a few steps, sampled tokens unaffected);
+    - ``"lm_head LoRA"``: any job on such an adapter when ``unembed_mode`` is ``"fallback"``.
+
+    Args:
+        unembed_adapters: keys of the loaded adapters that have an lm_head LoRA.
+        unembed_mode: ``"keep"`` or ``"fallback"`` (``VLLMBackend.unembed_lora``).
+    """
+    field = unsupported_field(job)
+    if field is not None:
+        return field
+    if job.adapter is not None and job.adapter in unembed_adapters:
+        if unembed_mode == "fallback":
+            return "lm_head LoRA"
+        if job.prompt_logprobs or job.topk_prompt_logprobs:
+            return "prompt logprobs with lm_head LoRA"
     return None
 
 
@@ -282,14 +244,11 @@ def model_limits(model_dir: Path, max_context: int | None, has_tokenizer: bool, 
 
 
 __all__ = [
-    "PROBE_DELTA",
-    "PROBE_MIN_EFFECT",
     "check_supported",
     "model_limits",
     "prepare_adapter",
-    "unembed_applied",
+    "route_reason",
     "unsupported_field",
-    "write_unembed_probe",
     "prompt_fields",
     "sampling_kwargs",
     "sequence_from_output",
