@@ -14,6 +14,8 @@
 #        environment, warms it through the SDK, runs the parity test and the core files of tests/stack.
 #   D  carry nothing  the rest of tests/stack against the same vLLM stack (the service's edges, the mix on
 #        the vLLM sampler), then stops it.
+#   R  carry [".gpu"]  one call on a fresh machine, no vLLM: A's set-up, then RFILES (test files) filtered by
+#        RK (a pytest -k expression) against a transformers-sampler stack: a re-check of trainer-side changes.
 # Every call writes its conformance report (gpu-conformance.md, results/measures jsonl, junit) to $OUT/<call>/,
 # and the stack's logs to $OUT/logs<call>.tgz. Budgets: CALL_LIMIT (seconds this call may take, default 560).
 # DRY=1 bash bench/conform_call.sh A|B|C|D: the same flow here on the CPU (the .venv, the tiny model, fp32,
@@ -33,7 +35,8 @@ if [ "$DRY" = 1 ]; then
 else
   MODEL_FLAG=(--model "$NAME=$MODEL"); SERVE_EXTRA=()
   export OPENRL_TEST_MIX_REQUESTS=${MIX_N:-500} OPENRL_TEST_MIX_MAX_LEN=2048 OPENRL_TEST_REFERENCE_STEPS=50 \
-         OPENRL_TEST_REFERENCE_PACKED=7 OPENRL_TEST_REFERENCE_SFT_STEPS=200 OPENRL_TEST_PARITY_STEPS=30
+         OPENRL_TEST_REFERENCE_PACKED=7 OPENRL_TEST_REFERENCE_SFT_STEPS=${SFT_STEPS:-200} OPENRL_TEST_PARITY_STEPS=30 \
+         OPENRL_TEST_REFERENCE_LR=${REF_LR:-1e-4}
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null
 fi
 
@@ -45,7 +48,7 @@ serve() {  # STATE [extra openrl serve args...]: start in its own session (survi
   timeout $w "$PY" bench/serve_bg.py warm --state-dir "$st" --base-model "$NAME" --wait-s $w 2>&1 | tail -3
   el "serve $st warm"
 }
-conform() {  # STATE OUTNAME BUDGET_S FILES...: the runner against a running serve
+conform() {  # STATE OUTNAME BUDGET_S FILES... [-- pytest args]: the runner against a running serve
   local st=$1 name=$2 budget=$3; shift 3
   "$PY" bench/gpu_conformance.py --state-dir "$st" --out "$O/$name" --commit "$COMMIT" --budget-s "$budget" \
     --test-timeout "${TEST_TIMEOUT:-420}" --files "$@" > "$L/conformance-$name.log" 2>&1
@@ -54,9 +57,9 @@ conform() {  # STATE OUTNAME BUDGET_S FILES...: the runner against a running ser
 finish() { cp -r "$1/logs" "$L/stack-logs" 2>/dev/null; cp "$1/serve.log" "$L/" 2>/dev/null; pack_logs "logs$X" "$L"; el "call $X done"; }
 
 case $X in
-A)
+A|R)
   if [ "$DRY" != 1 ]; then
-    cp .whl/k1/* "$PARTS"/
+    [ "$X" = A ] && cp .whl/k1/* "$PARTS"/
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$STK" .gpu/wheels/*.whl > "$L/pip.log" 2>&1
     el "stack wheels rc=$? ($(ls .gpu/wheels | wc -l) wheels)"
   fi
@@ -67,7 +70,13 @@ A)
     el "make_model rc=$?"; tail -1 "$L/make_model.log"
   fi
   rm -rf "$S_HF"; serve "$S_HF"
-  conform "$S_HF" A $(( $(left) - 30 )) test_request_mix test_reference_peft test_sampler_trainer_parity
+  if [ "$X" = A ]; then
+    conform "$S_HF" A $(( $(left) - 30 )) test_request_mix test_reference_peft test_sampler_trainer_parity
+  else
+    # shellcheck disable=SC2086
+    conform "$S_HF" R $(( $(left) - 30 )) ${RFILES:?RFILES: test files} -- ${RK:+-k "$RK"}
+    "$PY" bench/serve_bg.py stop --state-dir "$S_HF" --grace-s 20
+  fi
   finish "$S_HF"
   ;;
 B)

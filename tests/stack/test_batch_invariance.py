@@ -102,6 +102,12 @@ def test_seeded_samples_alone_vs_in_a_shared_batch(svc, top_k):
     # the tokens both drew: the sampler scored them alike (up to co-batching)
     check_close("cobatch_logprob", shared_prefix_lps, alone_prefix_lps, TOL.cobatch_logprob,
                 what=f"sampled tokens' logprobs, alone vs in a shared batch (common prefix, top_k {top_k})")
-    assert [list(s.tokens) for s in again] == [list(s.tokens) for s in alone]  # (alone: on every device)
+    # alone twice: the same tokens where seeded_identical (CPU). On the H200's vLLM even the same
+    # request sent twice alone drew other tokens (its 8 seeded requests reach the engine core in
+    # different steps, so the batch shapes differ): recorded there, a batch-invariant mode is issue 27
+    repeat = sum(list(a.tokens) == list(b.tokens) for a, b in zip(alone, again)) / len(alone)
+    measured("seeded_identical_alone_twice", repeat, 1.0 if TOL.seeded_identical else None, top_k=top_k)
+    if TOL.seeded_identical:
+        assert [list(s.tokens) for s in again] == [list(s.tokens) for s in alone]
     if asserted:
         assert identical == 1.0, (firsts, [list(s.tokens) for s in alone], [list(s.tokens) for s in shared])

@@ -17,10 +17,17 @@ import tinker
 from tinker import types
 
 from conftest import BASE_MODEL
-from tolerances import TOL, measured
+from tolerances import PRECISION, TOL, measured
 from test_metrics import scrape, value
 
 RUNS, STEPS = 4, 8
+#: Adam's learning rate. In float32 (CI) packed and solo passes agree to rounding, so even a
+#: large step keeps the twins together. In bf16 a packed pass differs from a solo one by up to
+#: ~0.06 nats per token (GEMM tiles follow the rows), and at lr 1e-2 on a random-weight 4B
+#: model Adam turns that into diverging trajectories within a few steps (H200, 2026-12-02:
+#: losses 50% apart at step 6): the comparison then measures chaos, not packing. At 1e-4 it
+#: measures packing (the first step, same weights, is the pure per-pass difference).
+LR = 1e-2 if PRECISION == "fp32" else 1e-4
 
 
 def _datum(seed: int, step: int) -> types.Datum:
@@ -35,7 +42,7 @@ def _train(service: tinker.ServiceClient, seed: int, steps: int, out: list, star
         start.wait(timeout=120)
     for step in range(steps):
         fb = tc.forward_backward([_datum(seed, step)], "cross_entropy")
-        opt = tc.optim_step(types.AdamParams(learning_rate=1e-2, beta1=0.9 - 0.1 * (seed % 2)))
+        opt = tc.optim_step(types.AdamParams(learning_rate=LR, beta1=0.9 - 0.1 * (seed % 2)))
         out.append(fb.result().metrics["loss:sum"])
         opt.result()
 
@@ -76,7 +83,9 @@ def test_concurrent_sdk_runs_share_passes_and_match_solo(stack, api_key):
     for s in seeds[:2]:
         solo: list[float] = []
         _train(service, s, STEPS, solo, None)
-        rel = max(abs(a - b) / max(abs(b), 1.0) for a, b in zip(solo, losses[s]))  # relative, abs below 1
-        measured("cobatch_loss_rel", rel, TOL.cobatch_loss_rel, seed=s, steps=STEPS, runs=RUNS)
+        rels = [abs(a - b) / max(abs(b), 1.0) for a, b in zip(solo, losses[s])]  # relative, abs below 1
+        rel = max(rels)
+        measured("cobatch_loss_rel", rel, TOL.cobatch_loss_rel, seed=s, steps=STEPS, runs=RUNS, lr=LR,
+                 first_step=rels[0])
         bound = TOL.cobatch_loss_rel
         assert solo == pytest.approx(losses[s], rel=bound, abs=bound), (s, solo, losses[s])
