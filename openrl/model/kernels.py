@@ -160,15 +160,20 @@ def _check(kernel: _Kernel, cases: list[tuple], device: torch.device) -> None:
         for case in cases:
             outs = []
             for fn in (kernel.ref, fast):
-                args = [a.to(device).requires_grad_(i in kernel.grad_args) if isinstance(a, Tensor) else a
-                        for i, a in enumerate(case)]
+                def fresh(grad: bool) -> list:
+                    # new copies per pass: Liger's SiLU*up backward writes its gradients into the
+                    # buffers of its inputs (as it does in the model, where nothing else reads them)
+                    return [a.to(device, copy=True).requires_grad_(grad and i in kernel.grad_args)
+                            if isinstance(a, Tensor) else a for i, a in enumerate(case)]
+
+                args = fresh(True)
                 y = fn(*args)
                 ys = y if isinstance(y, tuple) else (y,)
                 gen = torch.Generator(device="cpu").manual_seed(0)
                 loss = sum((t.float() * torch.randn(t.shape, generator=gen).to(device)).sum() for t in ys)
                 grads = torch.autograd.grad(loss, [a for a in args if isinstance(a, Tensor) and a.requires_grad])
                 with torch.no_grad():  # the forward-only path (forward, compute_logprobs)
-                    y0 = fn(*[a.detach() if isinstance(a, Tensor) else a for a in args])
+                    y0 = fn(*fresh(False))
                 y0s = y0 if isinstance(y0, tuple) else (y0,)
                 outs.append([t.detach().float() for t in ys] + [g.float() for g in grads] + [t.float() for t in y0s])
             for a, b in zip(*outs):

@@ -65,3 +65,30 @@ def test_rope_tables_repeat_their_halves_like_transformers():
     torch.testing.assert_close(cos[..., :4], cos[..., 4:])
     torch.testing.assert_close(sin[..., :4], sin[..., 4:])
     torch.testing.assert_close(cos ** 2 + sin ** 2, torch.ones_like(cos))
+
+
+def test_check_accepts_a_kernel_whose_backward_overwrites_its_inputs():
+    """Liger's SiLU*up backward writes its gradients into its inputs' buffers (in the model
+    nothing reads them afterwards). The set-up check must give every pass fresh inputs: on
+    the H200 it compared a no-grad forward on the overwritten buffers and rejected the kernel
+    (rel err 1.34), so the MLP ran eager."""
+
+    class InPlace(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, g, u):
+            ctx.save_for_backward(g, u)
+            return K._silu_mul_ref(g.detach(), u.detach())
+
+        @staticmethod
+        def backward(ctx, dy):
+            g, u = ctx.saved_tensors
+            sg = torch.sigmoid(g)
+            dg = dy * u * sg * (1 + g * (1 - sg))
+            du = dy * g * sg
+            g.data.copy_(dg)  # the gradients land in the inputs' storage, as Liger's kernel does
+            u.data.copy_(du)
+            return g, u
+
+    k = _kernel(lambda g, u: InPlace.apply(g, u))
+    K._check(k, [(torch.randn(3, 16), torch.randn(3, 16))], torch.device("cpu"))
+    assert k.status == "liger", k.status
