@@ -9,7 +9,7 @@ labelled by owner id, never by key). It reads the JetStream queue depths at scra
      "queues":  [{"stream", "messages", "bytes"}],
      "workers": [{"function", "shard", "stream", "consumer", "state", "num_pending",
                   "num_ack_pending", "num_waiting", "num_redelivered", "last_active", "idle_s",
-                  "device", "dtype", "backend", "models_failed"}]}
+                  "device", "dtype", "backend", "models_failed", "details"}]}
 
 A worker kind is a durable JetStream consumer (``trainer-<shard>``, ``sampler``); its
 ``state`` says whether someone is pulling (``polling``), requests run (``busy``), work
@@ -20,6 +20,8 @@ come from the newest live record a JetStream worker of that function and shard k
 the meta bucket (:class:`openrl.transport.worker.WorkerPresence`); None when no live worker wrote one.
 ``models_failed`` (``"Bad/Model: SafetensorError: ...; ..."``) names the base models that failed to
 load there, whose requests fail with that error (:mod:`openrl.model.loadfailures`); None when none did.
+``details`` (``{"kernels": ..., "unembed": ..., "routed": ...}``, see
+:data:`openrl.transport.worker.DETAIL_KEYS`): what else the worker's ``describe()`` says; None when nothing.
 
 :data:`public` holds ``/metrics``, :data:`router` ``/status`` (under ``/api/v1``, behind the
 key); :func:`install` adds the request metrics / trace middleware to the app.
@@ -78,7 +80,7 @@ async def build_status(bus) -> dict:
             rec = records.get((fn, shard)) or {}
             workers.append({"function": fn, "shard": shard, "stream": s["stream"], **c,
                             "device": rec.get("device"), "dtype": rec.get("dtype"), "backend": rec.get("backend"),
-                            "models_failed": rec.get("models_failed")})
+                            "models_failed": rec.get("models_failed"), "details": rec.get("details")})
     return {
         "gateway": {"time": now_iso(), "futures_in_flight": len(metrics.FUTURES)},
         "queues": [{"stream": s["stream"], "messages": s["messages"], "bytes": s["bytes"]} for s in streams],

@@ -161,7 +161,9 @@ class TrainerFunction:
         self.gpu_memory = f
 
     def describe(self) -> dict:
-        """What ``openrl status`` shows of this worker: device, base-weight dtype(s), backend."""
+        """What ``openrl status`` shows of this worker: device, base-weight dtype(s), backend,
+        failed models, and on CUDA each fused kernel's state (``kernels``: ``liger``, ``eager``,
+        ``failed: ...``, ``failed at run time: ...``; :func:`openrl.model.kernels.kernel_status`)."""
         from openrl.model.device import dtype_name
 
         dtypes = sorted({dtype_name(e.dtype) for e in self.engines.values()})
@@ -171,6 +173,9 @@ class TrainerFunction:
             out["models_failed"] = failed
         if getattr(self, "gpu_memory", None):
             out["gpu_memory"] = str(self.gpu_memory)
+        kernels = next((k for e in self.engines.values() if (k := getattr(e, "kernels", None))), None)
+        if kernels:  # CUDA with fused kernels: "rms_norm: liger, silu_mul: liger, rope: failed: ..."
+            out["kernels"] = ", ".join(f"{n}: {v}" for n, v in kernels.items() if n != "patched")
         return out
 
     def alive(self) -> Status:

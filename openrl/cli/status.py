@@ -225,6 +225,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         if w.get("models_failed"):
             con.print(f"[bold]{w['function']}[/bold]: base models that failed to load (their requests fail): "
                       f"{_escape(w['models_failed'])}")
+        for k, v in sorted((w.get("details") or {}).items()):  # fused kernels, vLLM's lm_head LoRA, routed jobs
+            con.print(f"[bold]{w['function']}[/bold] {k}: {_escape(str(v))}")
     if sup is not None:
         idle = sup.get("idle_timeout_s")
         note = (f"idle workers stop after {idle:g} s" if idle else "workers always up") + (

@@ -20,8 +20,10 @@ then call the Function's ``stop()``.
 While it runs, the worker describes itself in the ``OPENRL_META`` KV bucket under
 ``workers.<function>.<shard>.<instance>`` (key parts as :func:`openrl.transport.bus.kv_key` encodes
 them; the shard is ``-`` for the sampler, the instance ``<host>:<pid>``): function, shard,
-pid, host, device, dtype, backend, models_failed (from the Function's ``describe()``;
-``models_failed``: the base models that failed to load, :mod:`openrl.model.loadfailures`),
+pid, host, device, dtype, backend, models_failed, details (from the Function's ``describe()``;
+``models_failed``: the base models that failed to load, :mod:`openrl.model.loadfailures`;
+``details``: the :data:`DETAIL_KEYS` it gives: the trainer's fused-kernel states, the vLLM
+sampler's unembedding-LoRA mode, the jobs it routed to transformers and why),
 started, updated.
 It rewrites the record every ``$OPENRL_WORKER_REFRESH_S`` seconds (default 30), so
 ``backend`` / ``dtype`` follow the first model load, and deletes it on a clean stop.
@@ -96,6 +98,10 @@ def function_of_consumer(consumer: str) -> tuple[str, int | None]:
     return name, (int(shard) if shard.isdigit() else None)
 
 
+#: ``describe()`` keys copied into a worker record's ``details`` (shown by ``openrl status``).
+DETAIL_KEYS = ("kernels", "unembed", "routed", "fallback_error", "gpu_memory")
+
+
 def describe(fn) -> dict:
     """The Function's ``describe()`` (device, dtype, backend, ...) as a dict of strings;
     ``{}`` when it has none or it fails (describing never stops a worker)."""
@@ -155,6 +161,7 @@ class WorkerPresence:
             "function": self.function, "shard": self.shard, "instance": self.instance, "pid": self.pid,
             "host": self.host, "device": info.get("device"), "dtype": info.get("dtype"),
             "backend": info.get("backend"), "models_failed": info.get("models_failed"),
+            "details": {k: v for k, v in info.items() if k in DETAIL_KEYS} or None,
             "started": self.started, "updated": now_iso(),
             "updated_unix": round(time.time(), 3), "refresh_s": self.refresh_s,
         }
