@@ -11,4 +11,4 @@ export TINKER_TELEMETRY=0 HF_HUB_OFFLINE=1
 bash scripts/test-old-sdk.sh 0.25.0
 # lm-eval's local-completions against the OpenAI-compatible endpoint (its own venv)
 bash scripts/test-eval-harness.sh
-python -m pytest -ra "$@"
+python -m pytest -ra --durations=25 "$@"   # the 25 slowest: CI must stay well under its 90 minutes
