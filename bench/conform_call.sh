@@ -6,7 +6,8 @@
 #        starts `openrl serve --model NAME=DIR` as README.md says (vLLM is not complete yet, so the sampler is the
 #        transformers backend) in its own session, and runs the trainer-side GPU tests against it:
 #        test_request_mix (500 requests, lengths 1-2048, 1-16 datums, ranks 4-64, ...), test_reference_peft
-#        (50 steps vs plain peft + AdamW, alone and packed with 7), test_sampler_trainer_parity (30 steps).
+#        (50 steps vs plain peft + AdamW, alone and packed with 7), test_sampler_trainer_parity (30 steps);
+#        AFILES / AK (test files, a pytest -k expression) choose others.
 #   B  carry [".whl/k2"]  keeps vLLM part A and the middle of its _C library; unpacks A while the transformers
 #        stack runs test_batch_invariance and test_stack_packing.
 #   C  carry [".whl/k3"]  completes vLLM, stops the transformers stack, starts `openrl serve` again on a new
@@ -71,7 +72,9 @@ A|R)
   fi
   rm -rf "$S_HF"; serve "$S_HF"
   if [ "$X" = A ]; then
-    conform "$S_HF" A $(( $(left) - 30 )) test_request_mix test_reference_peft test_sampler_trainer_parity
+    # shellcheck disable=SC2086
+    conform "$S_HF" A $(( $(left) - 30 )) ${AFILES:-test_request_mix test_reference_peft test_sampler_trainer_parity} \
+      -- ${AK:+-k "$AK"}
   else
     # shellcheck disable=SC2086
     conform "$S_HF" R $(( $(left) - 30 )) ${RFILES:?RFILES: test files} -- ${RK:+-k "$RK"}
