@@ -18,7 +18,10 @@ lag between the first and the last run of a pass (an exponential moving average)
 more than ``max_delay_s``; a run that does not arrive within it stops counting as due until
 it sends a request while other runs are at work, so a run that went away (or is busy
 sampling, or takes turns with another run of the same client) costs one delay, not one per
-pass. With one active run nothing is ever held.
+pass. A run that asks for a sampler snapshot (``save_weights_for_sampler``, the first step of
+an RL loop's sampling phase) stops counting as due at once, so the runs still training do not
+wait for it while it samples (issue 25: runs out of lockstep). With one active run nothing is
+ever held.
 
 Fair sharing between tenants (:meth:`Scheduler.fill`): a pass takes at most
 ``pass_token_budget`` tokens (the datums' token counts), filled round-robin over *owners* (the
@@ -143,6 +146,14 @@ class PackPolicy:
             a.group, a.last_packable = group, now
             if overlap:
                 a.missed = False
+
+    def sampling(self, model_id: str) -> None:
+        """``model_id`` asked for a sampler snapshot (``save_weights_for_sampler``): its client
+        samples next, for seconds, so no pass is held for it until its next packable request
+        arrives while other runs are at work (as after a missed hold, without costing one)."""
+        a = self.activity.get(model_id)
+        if a is not None:
+            a.missed = True
 
     def forget(self, model_id: str) -> None:
         self.activity.pop(model_id, None)
@@ -294,6 +305,8 @@ class Scheduler:
             group = self.group_of(model_id)
             overlap = any(r.pending for m, r in self.runs.items() if m != model_id and self.group_of(m) == group)
             self.policy.arrived(model_id, group, time.monotonic(), overlap)
+        elif op == "save_weights_for_sampler":  # the run goes off to sample: passes stop waiting for it
+            self.policy.sampling(model_id)
         self._wake.set()
         return await fut
 

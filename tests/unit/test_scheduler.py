@@ -108,6 +108,25 @@ async def test_a_run_that_does_not_come_costs_one_bounded_delay():
     assert s.policy.activity["b"].missed
 
 
+async def test_a_run_that_saved_for_sampling_is_not_waited_for():
+    """After b's save_weights_for_sampler (its client samples next), a's passes are not held for
+    b; b is waited for again once it trains beside a."""
+    rec = Recorder()
+    s = make(rec, max_delay_s=0.5)
+    try:
+        await asyncio.gather(s.submit("a", 1, "forward_backward", None), s.submit("b", 1, "forward_backward", None))
+        assert not s.policy.activity["b"].missed
+        await s.submit("b", 2, "save_weights_for_sampler", {})
+        assert s.policy.activity["b"].missed
+        held = s.policy.held
+        await s.submit("a", 2, "forward_backward", None)
+        assert s.policy.held == held, "a's pass was held for b, which is sampling"
+        await asyncio.gather(s.submit("a", 3, "forward_backward", None), s.submit("b", 3, "forward_backward", None))
+    finally:
+        await s.stop()
+    assert not s.policy.activity["b"].missed  # trained beside a: due again
+
+
 async def test_runs_taking_turns_stop_being_waited_for():
     """One client alternating two runs (never overlapping) pays at most one delay per run."""
     rec = Recorder()
