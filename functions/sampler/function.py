@@ -95,8 +95,7 @@ class SamplerFunction:
         """What ``openrl status`` shows of this worker: device, base-weight dtype(s), backend
         ("pending" until the first base model is loaded; ``vllm+hf`` once the vLLM backend
         routed a job to transformers), and with vLLM ``unembed`` (the lm_head LoRA mode and its
-        check), ``routed`` (jobs sent to transformers, by reason), ``fallback_error``, and the
-        transformers backend's fused kernels on CUDA (``kernels``)."""
+        check), ``routed`` (jobs sent to transformers, by reason) and ``fallback_error``."""
         from openrl.model.device import dtype_name
 
         engines = list(self.engines.values())
@@ -111,8 +110,6 @@ class SamplerFunction:
                 out["unembed"] = f"{info['unembed_lora']}: {info['unembed_check']}"
             if info.get("routed"):
                 out["routed"] = ", ".join(f"{k}: {v}" for k, v in sorted(info["routed"].items()))
-            if info.get("kernels"):  # the transformers backend on CUDA: the trainer's fused kernels
-                out["kernels"] = info["kernels"]
             if info.get("secondary_error"):
                 out["fallback_error"] = info["secondary_error"]
         failed = describe_failures(self.load_failures)

@@ -125,24 +125,12 @@ class HFBackend:
         max_prefill_tokens: int = 8192,
         batch_window_s: float = 0.003,
         tokenizer: Any = None,
-        fused_kernels: bool | None = None,
     ):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         base_model_dir = Path(base_model_dir)
         base = AutoModelForCausalLM.from_pretrained(str(base_model_dir), dtype=dtype)
         base.to(device).eval()
-        # the trainer's fused kernels on CUDA (the same Liger RMSNorm / SiLU*up / RoPE as the trainer's
-        # passes), so a sampled or prompt logprob is computed by the trainer's arithmetic, not another one
-        self.kernels: dict[str, str] | None = None
-        if fused_kernels is None:
-            from openrl.config import Settings
-
-            fused_kernels = Settings().fused_kernels
-        if torch.device(device).type == "cuda" and fused_kernels:
-            from openrl.model.kernels import accelerate_model
-
-            self.kernels = accelerate_model(base)
         cfg = base.config.get_text_config(decoder=True) if hasattr(base.config, "get_text_config") else base.config
         if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
             raise ValueError("the transformers sampler backend supports full-attention models only")
@@ -184,15 +172,6 @@ class HFBackend:
         self._task: asyncio.Task | None = None
         self._closed = False
         self.steps = 0  # forwards run (prefill groups + decode steps), for tests/metrics
-
-    def describe(self) -> dict:
-        """What ``openrl status`` shows: on CUDA the fused kernels' states (``{"kernels": "rms_norm:
-        liger, ..."}``, :func:`openrl.model.kernels.kernel_status`); nothing on CPU."""
-        if not self.kernels:
-            return {}
-        from openrl.model.kernels import kernel_status
-
-        return {"kernels": ", ".join(f"{n}: {v}" for n, v in kernel_status().items())}
 
     # ------------------------------------------------------------------ adapters
 

@@ -70,8 +70,6 @@ class RoutedBackend:
         d = {"routed": dict(self.routed)}
         if self._secondary_error is not None:
             d["secondary_error"] = self._secondary_error[1]
-        if self._secondary is not None:  # the transformers backend's fused kernels, once it runs
-            d.update(getattr(self._secondary, "describe", lambda: {})())
         d.update(getattr(self.primary, "describe", lambda: {})())
         return d
 
