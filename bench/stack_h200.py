@@ -1,7 +1,7 @@
 """The product as a user runs it: ``openrl serve`` driven by the unmodified tinker SDK.
 
-    python bench/stack_h200.py [--sections sft,sample,rl,cold] [--model-dir DIR] [--out DIR]
-                               [--tiny] [--device auto|cuda|cpu] [--budget-s S]
+    python bench/stack_h200.py [--sections sft,sample,rl,sweep,cold] [--shapes fixed,varied] [--model-dir DIR]
+                               [--out DIR] [--tiny] [--device auto|cuda|cpu] [--budget-s S]
     python bench/stack_h200.py --make-model DIR [--tokenizer-from DIR]   (Qwen3-4B shapes, random bf16)
 
 The stack starts the way the README tells a user: ``openrl serve --port P --state-dir D
@@ -15,7 +15,7 @@ there, the vLLM sampler when it is installed). The base model name is
 ``Qwen/Qwen3-4B-Instruct-2507``, served from ``--model-dir`` (``--tiny``: the project's built
 tiny model, the packaged registry's default).
 
-Sections (``--sections``; sft, sample and rl share one stack, started once):
+Sections (``--sections``; sft, sample, rl and sweep share one stack, started once):
   sft     1/2/4/8 concurrent training runs (LoRA rank 32, train_unembed=False); a step is
           ``forward_backward([1 x 1024 tokens], "cross_entropy")`` + ``optim_step``, both
           submitted before waiting (the SDK's pipelined pattern); warm-up steps, then timed
@@ -35,9 +35,18 @@ Sections (``--sections``; sft, sample and rl share one stack, started once):
           x 4 samples x 128 tokens -> forward_backward(importance_sampling: target_tokens,
           the sampler's logprobs, group-normalised advantages of random rewards) + optim_step;
           median step time and its parts (save, sample, train) over the timed steps.
+  sweep   ``examples/autoresearch`` with 8 experiments one after another vs all at once against the
+          stack (``bench/stack_shapes.py: s_sweep``): wall times and their ratio.
   cold    time from starting ``openrl serve`` (a new state dir) to the first finished
           forward_backward and to the first sample (``--no-cold-sample``: trainer only); then
           stop and start again on the same state dir (warm caches) and measure again.
+
+``--shapes fixed,varied`` (default both): ``varied`` adds to sft and rl the rows of
+``bench/stack_shapes.py`` (``sft_varied``, ``rl_varied``): lengths and datum counts drawn per
+request from seeded ``random.Random`` s (prompts 32-512 tokens, completions up to 256 new tokens
+with stop token ids, 1-16 datums a request; ``--tiny``: smaller). Every sft / rl row, fixed and
+varied, carries ``busy``: the trainer's and sampler's ``openrl_busy_seconds_total`` increase over
+the timed steps, per step (s) and as a fraction of the wall time.
 
 Output: one JSON line per measurement on stdout and in ``OUT/stack.jsonl``; a markdown summary
 in ``OUT/stack.md`` (also printed). ``--budget-s`` makes every section skip what would start
@@ -64,6 +73,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import stack_shapes as shapes  # noqa: E402
 
 BASE = "Qwen/Qwen3-4B-Instruct-2507"
 LO, HI = 1000, 150000  # token ids away from the special tokens (Qwen vocabulary: 151,936)
@@ -333,12 +345,13 @@ def s_sft(svc, s: Serve, a) -> None:
     clients = new_runs(svc, max(runs_list), a.rank)
     log(what="sft_setup", runs=len(clients), create_s=round(time.time() - t, 2))
     murl = s.metrics_url("trainer")
-    for n in runs_list:
+    for n in (runs_list if "fixed" in a.shapes else []):
         if not enough(a.sft_need_s * (n / 8 + 0.5), f"sft runs={n}"):
             break
         tcs = clients[:n]
         datums = [[sft_datum(rng, a.tokens)] for _ in tcs]
-        bar = threading.Barrier(n + 1)
+        marks = shapes.Marks(H, s)  # busy seconds of the timed steps (barrier action)
+        bar = threading.Barrier(n + 1, action=marks)
         steps: dict[int, list[float]] = {i: [] for i in range(n)}
         errors: list[str] = []
 
@@ -375,7 +388,10 @@ def s_sft(svc, s: Serve, a) -> None:
         per = [x for v in steps.values() for x in v]
         log(what="sft", runs=n, tokens_per_run_step=a.tokens, steps=a.steps, warmup_s=round(warm_s, 2),
             wall_s=round(wall, 3), tokens_per_s=round(tok / wall, 1), step_s_median=round(statistics.median(per), 4),
-            step_s_all=[round(x, 3) for x in per][:16], packed=packed_runs(m0, m1))
+            step_s_all=[round(x, 3) for x in per][:16], packed=packed_runs(m0, m1),
+            busy=marks.busy(a.steps))
+    if "varied" in a.shapes:
+        shapes.s_sft_varied(H, svc, s, a, clients)
 
 
 def _round(scs, prompts, new_tokens: int, timeout: float):
@@ -525,13 +541,14 @@ def s_rl(svc, s: Serve, a, ctx: dict) -> None:
         return {"step": t3 - t0, "save": t1 - t0, "sample": t2 - t1, "train": t3 - t2,
                 "tokens": sum(len(sq.tokens) for r in res for sq in r.sequences)}
 
-    for N in runs_list:
+    for N in (runs_list if "fixed" in a.shapes else []):
         if not enough(a.rl_need_s, f"rl runs={N}"):
             break
         tcs = clients[:N]
         rows: list[dict] = []
         errors: list[str] = []
-        bar = threading.Barrier(N + 1)
+        marks = shapes.Marks(H, s)  # busy seconds of the timed steps (barrier action)
+        bar = threading.Barrier(N + 1, action=marks)
 
         def worker(i: int) -> None:
             rng = random.Random(100 + i)
@@ -560,7 +577,10 @@ def s_rl(svc, s: Serve, a, ctx: dict) -> None:
         med = {k: round(statistics.median(r[k] for r in rows), 3) for k in ("step", "save", "sample", "train")}
         log(what="rl", runs=N, steps=a.rl_steps, prompts=G, samples=S, new_tokens=n, wall_s=round(wall, 2),
             median_s=med, steps_per_s=round(N * a.rl_steps / wall, 3),
-            sampled_tokens_per_s=round(sum(r["tokens"] for r in rows) / wall, 1))
+            sampled_tokens_per_s=round(sum(r["tokens"] for r in rows) / wall, 1),
+            step_s=shapes.quantiles([r["step"] for r in rows]), busy=marks.busy(a.rl_steps))
+    if "varied" in a.shapes:
+        shapes.s_rl_varied(H, svc, s, a, clients)
 
 
 def s_cold(a) -> None:
@@ -880,11 +900,12 @@ def summary() -> str:
     sft = [r for r in R if r.get("what") == "sft" and "tokens_per_s" in r]
     if sft:
         lines += ["## SFT through the stack (1 datum x T tokens per run-step; forward_backward + optim_step)", "",
-                  "| runs | tokens/s | wall | step (median) | passes | mean runs per pass |", "|---:|---:|---:|---:|---:|---:|"]
+                  "| runs | tokens/s | wall | step (median) | passes | mean runs per pass | busy / step: trainer / sampler |",
+                  "|---:|---:|---:|---:|---:|---:|---|"]
         for r in sft:
             p = r.get("packed") or {}
             lines.append(f"| {r['runs']} | {r['tokens_per_s']:,.0f} | {r['wall_s']} s | {r['step_s_median']} s | "
-                         f"{p.get('passes')} | {p.get('mean_runs_per_pass')} |")
+                         f"{p.get('passes')} | {p.get('mean_runs_per_pass')} | {shapes.busy_cell(r)} |")
         lines.append("")
     st = next((r for r in R if r.get("what") == "sample_stack"), None)
     dis = [r for r in R if r.get("what") == "sample_direct" and "e2e_tokens_per_s" in r]
@@ -913,12 +934,12 @@ def summary() -> str:
     rl = [r for r in R if r.get("what") == "rl" and "median_s" in r]
     if rl:
         lines += ["## RL steps (save -> sample G x S x n -> importance_sampling forward_backward + optim_step)", "",
-                  "| runs | step (median) | save | sample | train | run-steps/s | sampled tokens/s |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| runs | step (median) | save | sample | train | run-steps/s | sampled tokens/s | busy / step: trainer / sampler |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rl:
             m = r["median_s"]
             lines.append(f"| {r['runs']} | {m['step']} s | {m['save']} s | {m['sample']} s | {m['train']} s | "
-                         f"{r['steps_per_s']} | {r['sampled_tokens_per_s']:,.0f} |")
+                         f"{r['steps_per_s']} | {r['sampled_tokens_per_s']:,.0f} | {shapes.busy_cell(r)} |")
         lines.append("")
     cold = [r for r in R if r.get("what") == "cold"]
     if cold:
@@ -939,6 +960,7 @@ def summary() -> str:
             if r.get("phases"):
                 lines.append(f"\n{r['phase']}: start-up phases (s) {json.dumps(r['phases'])}")
         lines.append("")
+    lines += shapes.summary(R)
     skipped = [r for r in R if r.get("what") in ("skipped", "section_error") or
                (r.get("what") in ("sample_direct", "sample_ratio") and r.get("error"))]
     if skipped:
@@ -953,7 +975,14 @@ def summary() -> str:
 def main() -> None:
     global OUT, DEADLINE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", default="sft,sample,rl,cold")
+    ap.add_argument("--sections", default="sft,sample,rl,sweep,cold")
+    ap.add_argument("--shapes", default="fixed,varied",
+                    help="sft / rl rows: fixed (the shapes above), varied (bench/stack_shapes.py), or both")
+    ap.add_argument("--sweep-experiments", type=int, default=8, help="sweep: experiments (and --parallel of the "
+                    "all-at-once run)")
+    ap.add_argument("--sweep-steps", type=int, default=None, help="sweep: RL steps per experiment (3; --tiny 2)")
+    ap.add_argument("--sweep-args", default="", help="sweep: more examples/autoresearch arguments, e.g. "
+                    "'--prompts 8 --max-tokens 64'")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--model-dir", dest="model", default=None, help="the base model's directory (default: --tiny's built model)")
     ap.add_argument("--state-dir", default="/tmp/openrl-stack-bench", help="parent of the stacks' state dirs")
@@ -1003,11 +1032,14 @@ def main() -> None:
                     warmup=1 if tiny else 2, steps=2 if tiny else 5, snapshots=2 if tiny else 8,
                     concurrency=8 if tiny else 128, prompt_tokens=16 if tiny else 64, new_tokens=16 if tiny else 128,
                     reps=1 if tiny else 2, rl_runs="1,2" if tiny else "1,8", rl_steps=2 if tiny else 3,
-                    rl_prompts=2 if tiny else 4, rl_samples=2 if tiny else 4, rl_new_tokens=8 if tiny else 128)
+                    rl_prompts=2 if tiny else 4, rl_samples=2 if tiny else 4, rl_new_tokens=8 if tiny else 128,
+                    sweep_steps=2 if tiny else 3)
     for k, v in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
     a.sft_need_s, a.rl_need_s, a.cold_need_s = (20, 20, 30) if tiny else (40, 60, 60)
+    a.sweep_need_s = 90 if tiny else 240
+    a.shapes = {x for x in a.shapes.split(",") if x}
     OUT = Path(a.out)
     OUT.mkdir(parents=True, exist_ok=True)
     global PROFILE_DIR
@@ -1038,11 +1070,11 @@ def main() -> None:
         tv = torch.__version__
     except Exception:  # noqa: BLE001
         gpu, tv = None, None
-    log(what="env", sections=sections, model=str(a.model or "tiny-qwen3 (built)"), device=a.device, gpu=gpu, torch=tv,
+    log(what="env", sections=sections, shapes=sorted(a.shapes), model=str(a.model or "tiny-qwen3 (built)"), device=a.device, gpu=gpu, torch=tv,
         cli_flags=sorted(cli_flags()), tiny=tiny, budget_s=a.budget_s)
     ctx: dict = {}
     try:
-        shared = [x for x in sections if x in ("sft", "sample", "rl")]
+        shared = [x for x in sections if x in ("sft", "sample", "rl", "sweep")]
         if shared:
             state = Path(a.state_dir) / "main"
             if state.exists():
@@ -1058,7 +1090,7 @@ def main() -> None:
                     t = time.time()
                     try:
                         {"sft": lambda: s_sft(svc, s, a), "sample": lambda: s_sample(svc, s, a, ctx),
-                         "rl": lambda: s_rl(svc, s, a, ctx)}[name]()
+                         "rl": lambda: s_rl(svc, s, a, ctx), "sweep": lambda: shapes.s_sweep(H, s, a)}[name]()
                     except Exception as e:  # noqa: BLE001
                         log(what="section_error", section=name, error=f"{type(e).__name__}: {str(e)[:500]}",
                             tb=traceback.format_exc()[-1500:])
@@ -1085,6 +1117,8 @@ def main() -> None:
     sys.stdout.flush()
     os._exit(0)  # the SDK's background threads
 
+
+H = sys.modules[__name__]  # what bench/stack_shapes.py calls back into (log, enough, scrape, ...)
 
 if __name__ == "__main__":
     main()

@@ -165,11 +165,13 @@ class SamplerFunction:
         d = payloads.Sample.parse(events.data_json(event))
         engine = await self._engine(d.base_model)
         adapter = None
+        busy = metrics.busy_clock("sampler")  # openrl_busy_seconds_total: adapter load + sampling
         if d.model_path:
             ckpt = TinkerPath.parse(d.model_path, field="model_path")
             local = await asyncio.to_thread(self.storage.get_dir, ckpt)
             adapter = str(ckpt)
-            await engine.ensure_adapter(adapter, local)
+            with busy.job():
+                await engine.ensure_adapter(adapter, local)
         sp = d.sampling_params
         stop = [sp.stop] if isinstance(sp.stop, str) else sp.stop
         tpl = d.target_prompt_logprobs
@@ -191,7 +193,8 @@ class SamplerFunction:
             prompt_alt_tokens_k=d.prompt_alt_tokens_k,
         )
         t0 = time.perf_counter()
-        res = await engine.sample(job)
+        with busy.job():
+            res = await engine.sample(job)
         # usage: generated tokens and engine seconds per owner (concurrent jobs share decode
         # passes, so their seconds overlap)
         metrics.record_sampled(event.get_extension("owner"), sum(len(s.tokens) for s in res.sequences),

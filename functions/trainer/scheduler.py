@@ -378,7 +378,9 @@ class Scheduler:
         async def one(p: Pending) -> None:
             t0 = time.perf_counter()
             try:
-                self._finish(p, await self.run_single(p))
+                with metrics.busy_clock("trainer").job():  # openrl_busy_seconds_total
+                    r = await self.run_single(p)
+                self._finish(p, r)
             except Exception as exc:  # noqa: BLE001 - the failure belongs to this request
                 self._finish(p, exc=exc)
             self._account([p], time.perf_counter() - t0)
@@ -390,7 +392,8 @@ class Scheduler:
             self.optim_batches += 1
             t0 = time.perf_counter()
             try:
-                results = await self.run_optims(group)
+                with metrics.busy_clock("trainer").job():
+                    results = await self.run_optims(group)
             except Exception as exc:  # noqa: BLE001
                 results = [exc] * len(group)
             self._account(group, time.perf_counter() - t0)
@@ -456,7 +459,8 @@ class Scheduler:
                     "openrl.pass.tokens": sum(p.tokens for p in items),
                     "openrl.pass.items": json.dumps([[p.model_id, p.seq_id, p.after_pass, p.tokens,
                                                       self._owner(p.model_id)] for p in items[:512]])}):
-                results = await self.run_packed(items)
+                with metrics.busy_clock("trainer").job():
+                    results = await self.run_packed(items)
         except Exception as exc:  # noqa: BLE001
             for p in items:
                 self._finish(p, exc=exc)

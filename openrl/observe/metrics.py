@@ -21,6 +21,9 @@ workers
     ``worker_requests_total{function,op,outcome}``, ``worker_request_seconds{function,op}``,
     ``worker_in_flight{function}``, ``tokens_trained_total{op}``, ``tokens_sampled_total``,
     ``trainer_packed_runs`` (runs per packed forward(_backward) pass),
+    ``busy_seconds_total{function}``: seconds during which the function's engine had at least
+    one job running (:class:`BusyClock`; overlapping jobs count once, so ``rate(...)`` is the
+    busy fraction, between 0 and 1),
     ``sampler_adapter_cache_total{result="hit"|"miss"}``,
     ``trainer_kl_sample_train_v1{base_model}``, ``trainer_kl_sample_train_v2{base_model}``,
     ``trainer_sample_train_logprob_diff_abs{base_model}`` (mean |Δ|),
@@ -54,6 +57,7 @@ from collections import OrderedDict
 from prometheus_client import (
     CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, Info, disable_created_metrics, generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
 
 from openrl.config import Settings
 
@@ -122,6 +126,87 @@ USAGE_GPU_SECONDS = Counter("openrl_usage_gpu_seconds",
                             ["owner", "function"])
 
 UNKNOWN_OWNER = "unknown"
+
+
+class BusyClock:
+    """Seconds during which at least one job was running (a union of intervals, not a sum).
+
+    ``with clock.job(): ...`` around each job; overlapping jobs (concurrent samples, a save
+    beside a pass) count once. :meth:`seconds` includes the interval still open, so a scrape
+    in the middle of a long job sees it. Exported as ``openrl_busy_seconds_total{function}``
+    (unit: seconds; a counter, so busy fraction = increase / wall seconds) by
+    :data:`BUSY_COLLECTOR` for every clock :func:`busy_clock` made.
+
+    Args:
+        clock: the time source (seconds; default ``time.monotonic``), for tests.
+    """
+
+    def __init__(self, clock=time.monotonic):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._active = 0
+        self._since = 0.0
+        self._total = 0.0
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._since = self._clock()
+            self._active += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            if self._active <= 0:
+                return
+            self._active -= 1
+            if self._active == 0:
+                self._total += max(0.0, self._clock() - self._since)
+
+    def job(self):
+        """Context manager: one job running for the duration of the ``with`` block."""
+        from contextlib import contextmanager
+
+        @contextmanager
+        def _job():
+            self.enter()
+            try:
+                yield
+            finally:
+                self.exit()
+
+        return _job()
+
+    def seconds(self) -> float:
+        """Busy seconds so far, the open interval included."""
+        with self._lock:
+            return self._total + (max(0.0, self._clock() - self._since) if self._active else 0.0)
+
+
+class _BusyCollector:
+    """Exports ``openrl_busy_seconds_total{function}`` from the :class:`BusyClock` s of this process."""
+
+    def __init__(self):
+        self.clocks: dict[str, BusyClock] = {}
+
+    def collect(self):
+        fam = CounterMetricFamily("openrl_busy_seconds",
+                                  "Seconds the function's engine had at least one job running (overlaps count once)",
+                                  labels=["function"])
+        for name, clock in sorted(self.clocks.items()):
+            fam.add_metric([name], clock.seconds())
+        yield fam
+
+
+BUSY_COLLECTOR = _BusyCollector()
+REGISTRY.register(BUSY_COLLECTOR)
+
+
+def busy_clock(function: str) -> BusyClock:
+    """The process's :class:`BusyClock` of ``function`` (``trainer``, ``sampler``), made on first use."""
+    clock = BUSY_COLLECTOR.clocks.get(function)
+    if clock is None:
+        clock = BUSY_COLLECTOR.clocks.setdefault(function, BusyClock())
+    return clock
 
 
 def exposition() -> tuple[bytes, str]:
