@@ -325,7 +325,7 @@ def collect(args: argparse.Namespace) -> dict:
 
 def render(doc: dict, console) -> None:
     """Print :func:`collect`'s dict as rich tables on ``console``."""
-    from openrl.cli.status import _table
+    from openrl.cli.tables import table as _table
 
     services = doc["services"]
     running = sum(s["actual"] or 0 for s in services)
@@ -366,7 +366,7 @@ def cmd_cluster_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
-    from openrl.cli.status import _console
+    from openrl.cli.tables import console
 
-    render(doc, _console())
+    render(doc, console())
     return 0

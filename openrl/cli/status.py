@@ -35,6 +35,8 @@ from pathlib import Path
 
 import httpx
 
+from openrl.cli import tables
+
 TIMEOUT_S = 15.0
 
 
@@ -110,33 +112,8 @@ def _client(args) -> Client:
     return Client(_base_url(args), _api_key(args), _unreachable_hint(args))
 
 
-def _console():
-    from rich.console import Console
-
-    # no emoji codes (run ids contain ":train:") and no markup in data
-    return Console(soft_wrap=False, emoji=False, highlight=False)
-
-
-def _table(title: str, columns: list[str], rows: list[list], *, fold: tuple[str, ...] = ()):
-    from rich.markup import escape
-    from rich.table import Table
-
-    cells = [["-" if v is None or v == "" else escape(str(v)) for v in r] for r in rows]
-    t = Table(title=escape(title), title_justify="left", header_style="bold")
-    for c in columns:
-        if c in fold:  # ids stay on one line; other columns wrap around them
-            t.add_column(c, overflow="fold", no_wrap=True)
-        else:
-            t.add_column(c, overflow="fold")
-    for r in cells:
-        t.add_row(*r)
-    return t
-
-
-def _escape(text) -> str:
-    from rich.markup import escape
-
-    return escape(str(text))
+# the rich console and tables, shared with openrl.cli.cluster (their own module: no import circle)
+_console, _table, _escape = tables.console, tables.table, tables.escape
 
 
 def _size(n) -> str | None:
