@@ -40,6 +40,13 @@ class NotFound(UserError):
     status = 404
 
 
+class RegistryError(ValueError):
+    """The model registry file is missing, not TOML, or has an invalid entry (message names file
+    and key). Raised by :mod:`openrl.model.registry` (which re-exports it) and, as the base of
+    :class:`openrl.model.modelcheck.ModelDirError`, by the model-directory check; kept here so
+    that the two modules do not import each other."""
+
+
 class CLIError(OpenRLError):
     """Something the person running ``openrl`` can fix (a busy port, an unusable state directory,
     a stack that still runs): the CLI prints the message, which names the cause and what to do,

@@ -23,7 +23,7 @@ import json
 import os
 from pathlib import Path
 
-from openrl.model.registry import RegistryError
+from openrl.errors import RegistryError
 
 #: Weight files, in the order they are looked for: (single file, shard index).
 WEIGHT_FILES = (("model.safetensors", "model.safetensors.index.json"),

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from openrl.config import DEFAULT_HOME, Settings
-from openrl.errors import UserError
+from openrl.errors import RegistryError, UserError  # RegistryError: re-exported (its home is openrl.errors)
 
 #: Environment variable naming an alternative registry TOML file.
 REGISTRY_ENV = "OPENRL_MODEL_REGISTRY"
@@ -60,10 +60,6 @@ OVERLAY_NAME = "models.toml"
 
 _ENTRY_KEYS = {"path", "tokenizer_id", "max_context_length", "trainable", "sampleable", "build", "dtype"}
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
-
-
-class RegistryError(ValueError):
-    """The registry file is missing, not TOML, or has an invalid entry (message names file and key)."""
 
 
 def state_dir(explicit: str | os.PathLike | None = None) -> Path:
