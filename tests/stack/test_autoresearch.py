@@ -1,10 +1,10 @@
 """examples/autoresearch: the autoresearch driver against the session stack (real tinker SDK,
 real gateway, trainer and sampler), on the tiny built model at tiny sizes.
 
-* optuna proposer, 4 experiments x 3 steps, 2 at a time: the run is interrupted with SIGINT
+* optuna proposer, 10 experiments x 4 steps, 2 at a time, no pruner: the run is interrupted with SIGINT
   (Ctrl-C) once the first experiment has ended, then the same command resumes it: the
   finished experiments are not redone, the interrupted ones run again as new experiments, and
-  the leaderboard ends with 4 finished experiments with finite rewards, a table and a PNG plot;
+  the leaderboard ends with 10 finished experiments with finite rewards, a table and a PNG plot;
 * optuna pruning: a threshold no reward can reach prunes every trial after its first step;
 * the external-command proposer: a tiny Python script reads the leaderboard and prints the next
   config (a text-to-SQL experiment with ppo on the generated shop database, an arithmetic one with
@@ -77,12 +77,13 @@ def test_optuna_sweep_interrupted_and_resumed(stack, api_key, tmp_path):
     pytest.importorskip("optuna")
     out = tmp_path / "ar"
     (tmp_path / "space.json").write_text(json.dumps(SPACE))
-    # 8 experiments of 4 steps, 2 at a time: after the first one ends, about three more rounds
-    # remain (seconds), so the Ctrl-C below lands mid-sweep however late the poll sees the end
-    # record (with 4 x 3 the whole sweep once finished before the signal: CI, 2026-12-02)
-    n_exp, n_steps = 8, 4
+    # 10 experiments of 4 steps, 2 at a time, no pruning: after the first one ends, four more
+    # rounds of 4 steps remain (5-10 s here), so the Ctrl-C below lands mid-sweep however late the
+    # poll sees the end record. CI, 2026-12-02: with 4 x 3, and again with 8 x 4 under the median
+    # pruner (which cut every later experiment to 2 steps), the sweep finished before the signal.
+    n_exp, n_steps = 10, 4
     cmd = _cmd(out, "--experiments", str(n_exp), "--parallel", "2", "--steps", str(n_steps),
-               "--space", str(tmp_path / "space.json"))
+               "--pruner", "none", "--space", str(tmp_path / "space.json"))
     env = _env(stack, api_key)
 
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
