@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build HERE what the GPU conformance chain (bench/conform_call{A,B,C,D}.sh) carries to the offline H200
+# Build HERE what the GPU conformance chain (bench/device_call.sh conform-A, -B, -C, -D) carries to the offline H200
 # machine, from what bench/stack_payload.sh made (.gpu: the stack's wheels + tokenizer; $STAGE/A.tar.xz and
 # $STAGE/C.so.xz: vLLM 0.24.0 in two archives). Each device call carries at most 64 MiB with the checkout,
 # and the first call must also bring the stack's wheels (it starts a stack with the transformers sampler

@@ -1,4 +1,5 @@
-# Sourced by bench/stack_call{1,2,3}.sh: paths, environment and helpers shared by the three device calls.
+# Sourced by bench/device_call.sh for its stack-* and conform-* steps: paths, environment and helpers shared by
+# the device calls of one chain.
 #   WORK (default /tmp): where the calls leave things for each other on the warm GPU machine:
 #     $WORK/stk (the stack's wheels, installed), $WORK/site (vLLM + its deps), $WORK/parts (vLLM archive parts),
 #     $WORK/q4b (the Qwen3-4B-shaped model), $WORK/openrl-stack-bench (the stacks' state dirs)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build HERE (where pip reaches PyPI) what bench/stack_call{1,2,3}.sh carry to the offline H200 machine
+# Build HERE (where pip reaches PyPI) what bench/device_call.sh's stack-* steps carry to the offline H200 machine
 # (git-ignored: /.gpu/ and /.whl/; never git add them). Each device call carries at most 64 MiB in all,
 # the checkout (~2 MiB) included, so the ~140 MiB travel in three parts:
 #
@@ -10,7 +10,9 @@
 #                        23 wheels vLLM's offline LLM path needs (as ../shared/vllm-h200/build_payload.sh)
 #   call 2  .whl/s2      C.so.xz.000: the first 50 MiB of the xz-packed _C_stable_libtorch.abi3.so (81 MiB)
 #   call 3  .whl/s3      C.so.xz.001 (the rest) + SUMS (sha256 of the whole C.so.xz)
-#   call 4  .whl/s4      optuna, matplotlib and their wheels: the autoresearch sweep (bench/stack_call4.sh)
+#   call 4  .whl/s4      optuna, matplotlib and their wheels: the autoresearch sweep (step stack-sweep)
+# (call 1 = step stack-sft or stack-cold, 2 = stack-keep-vllm, 3 = stack-sample-rl, 4 = stack-sweep:
+# bash bench/device_call.sh --list)
 #
 # Usage (project root, after scripts/install.sh):  bash bench/stack_payload.sh
 #   STAGE (default /tmp/stack-stage): downloads and the two vLLM archives, reused by a second run unless
@@ -106,7 +108,7 @@ PY
 fi
 
 # ---------------------------------------------------------------- 3. the autoresearch recipe's own wheels (call 4)
-# bench/stack_call4.sh (the sweep through the stack): optuna and matplotlib with what they import that the
+# step stack-sweep of bench/device_call.sh (the sweep through the stack): optuna and matplotlib with what they import that the
 # GPU image lacks, at this .venv's versions (~31 MiB)
 if [ "${SKIP_S4:-0}" != 1 ]; then
   pins=(); freeze=$($PIP freeze 2>/dev/null)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run HERE after `bash .vllm-h200/build_payload.sh` (../shared/vllm-h200/README.md): moves all but the first
 # 24 MiB of .whl/c1/C.so.xz.000 into .whl/c2/C.so.xz.000b and rewrites SUMS1, so that part 1 plus the checkout
-# stays under the device tool's 64 MiB (part 1 was 61.4 MiB; part 2 gets ~6 MiB more). bench/gpu_call2.sh
-# concatenates C.so.xz.000 .000b .001 .002 and checks SUMS2 (the whole C.so.xz) as before.
+# stays under the device tool's 64 MiB (part 1 was 61.4 MiB; part 2 gets ~6 MiB more). `bench/device_call.sh
+# sampler-hf-vllm` concatenates C.so.xz.000 .000b .001 .002 and checks SUMS2 (the whole C.so.xz) as before.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)/.whl"
 python3 - <<'PY'
