@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from functions.gateway.context import Gateway
 from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, OwnedRunDep, ScopeDep, WireRoute
 from functions.gateway.runs import readable_manifest
+from openrl.contract.records import Session, TrainingRun
 from openrl.edge import wire
 from openrl.errors import NotFound, UserError
 from openrl.storage import KINDS, TinkerPath
@@ -64,21 +65,21 @@ async def _run_checkpoints(g, run_id: str, who: str | None) -> list[dict]:
     return ms
 
 
-def training_run_json(rec: dict, ckpts: list[dict]) -> dict:
+def training_run_json(rec: TrainingRun, ckpts: list[dict]) -> dict:
     """A training-run record as the SDK's ``TrainingRun`` type."""
     last = next((checkpoint_json(m) for m in ckpts if m["checkpoint_type"] == "training"), None)
     last_s = next((checkpoint_json(m) for m in ckpts if m["checkpoint_type"] == "sampler"), None)
     return {
-        "training_run_id": rec["model_id"],
-        "base_model": rec["base_model"],
-        "model_owner": rec["owner"],
+        "training_run_id": rec.model_id,
+        "base_model": rec.base_model,
+        "model_owner": rec.owner,
         "is_lora": True,
         "corrupted": False,
-        "lora_rank": (rec.get("lora_config") or {}).get("rank"),
-        "last_request_time": rec.get("last_request_time") or rec.get("created"),
+        "lora_rank": (rec.lora_config or {}).get("rank"),
+        "last_request_time": rec.last_request_time or rec.created,
         "last_checkpoint": last,
         "last_sampler_checkpoint": last_s,
-        "user_metadata": str_metadata(rec.get("user_metadata")),
+        "user_metadata": str_metadata(rec.user_metadata),
     }
 
 
@@ -105,13 +106,13 @@ async def list_training_runs(g: GatewayDep, who: ScopeDep, limit: int = 20, offs
                              project_id: str | None = None) -> dict:
     """Newest first; ``project_id`` keeps the runs of sessions in that project (see
     :func:`assign_session_project`)."""
-    recs = [r for r in await g.bus.meta_list("model") if who is None or r.get("owner") == who]
+    recs = await g.runs(who)
     if project_id is not None:
-        in_project = {r["session_id"] for r in await g.bus.meta_list("session") if r.get("project_id") == project_id}
-        recs = [r for r in recs if r.get("session_id") in in_project]
-    recs.sort(key=lambda r: r.get("created", ""), reverse=True)
+        in_project = {r.session_id for r in await g.sessions() if r.project_id == project_id}
+        recs = [r for r in recs if r.session_id in in_project]
+    recs.sort(key=lambda r: r.created, reverse=True)
     page = recs[offset : offset + limit]
-    runs = [training_run_json(r, await _run_checkpoints(g, r["model_id"], who)) for r in page]
+    runs = [training_run_json(r, await _run_checkpoints(g, r.model_id, who)) for r in page]
     return {"training_runs": runs, "cursor": {"offset": offset, "limit": limit, "total_count": len(recs)}}
 
 
@@ -130,10 +131,9 @@ async def list_checkpoints(run_id: str, run: OwnedRunDep, g: GatewayDep, who: Sc
 @router.get("/checkpoints", response_model=wire.CheckpointsListResponse)
 async def list_user_checkpoints(g: GatewayDep, who: ScopeDep, limit: int = 100, offset: int = 0) -> dict:
     """The live checkpoints of all the caller's runs (every owner's for an admin listing all), newest first; paged."""
-    recs = [r for r in await g.bus.meta_list("model") if who is None or r.get("owner") == who]
     allm: list[dict] = []
-    for r in recs:
-        allm.extend(await _run_checkpoints(g, r["model_id"], who))
+    for r in await g.runs(who):
+        allm.extend(await _run_checkpoints(g, r.model_id, who))
     allm.sort(key=lambda m: m.get("created_unix", 0), reverse=True)
     page = allm[offset : offset + limit]
     return {"checkpoints": [checkpoint_json(m) for m in page],
@@ -255,9 +255,9 @@ async def bare_checkpoint_action(run_id: str, checkpoint_id: str, action: str, r
 @router.get("/sessions", response_model=wire.ListSessionsResponse)
 async def list_sessions(g: GatewayDep, who: ScopeDep, limit: int = 20, offset: int = 0) -> dict:
     """Session ids of the caller (every owner's for an admin listing all), newest first; paged."""
-    recs = [r for r in await g.bus.meta_list("session") if who is None or r.get("owner") == who]
-    recs.sort(key=lambda r: r.get("created", ""), reverse=True)
-    return {"sessions": [r["session_id"] for r in recs[offset : offset + limit]]}
+    recs = await g.sessions(who)
+    recs.sort(key=lambda r: r.created, reverse=True)
+    return {"sessions": [r.session_id for r in recs[offset : offset + limit]]}
 
 
 @router.get("/sessions/{session_id}", response_model=wire.GetSessionResponse)
@@ -265,10 +265,10 @@ async def get_session(session_id: str, g: GatewayDep, caller: CallerDep) -> dict
     """A session of the caller: its training runs, sampling sessions and metadata."""
     rec = await g.session(session_id, caller.owner)
     return {
-        "training_run_ids": rec.get("training_run_ids", []),
-        "sampler_ids": rec.get("sampler_ids", []),
-        "user_metadata": str_metadata(rec.get("user_metadata")),
-        "display_name": rec.get("display_name"),
+        "training_run_ids": rec.training_run_ids,
+        "sampler_ids": rec.sampler_ids,
+        "user_metadata": str_metadata(rec.user_metadata),
+        "display_name": rec.display_name,
     }
 
 
@@ -285,19 +285,17 @@ async def assign_session_project(session_id: str, req: wire.SetSessionProjectReq
     if not req.project_id:
         raise UserError("project_id", "required")
 
-    def upd(old):
-        old = dict(old or {})
-        old["project_id"] = req.project_id
-        return old
+    def upd(rec: Session) -> None:
+        rec.project_id = req.project_id
 
-    await g.bus.meta_update(upd, "session", session_id)
+    await g.update_session(session_id, upd)
     return {"session_id": session_id, "project_id": req.project_id}
 
 
-def _session_status(rec: dict) -> dict:
+def _session_status(rec: Session) -> dict:
     """A session record's status as the SDK's ``SessionStatus`` union."""
-    if rec.get("status") == "finished":
-        return {"type": "client_finished", "reason": {"type": rec.get("finish_reason") or "success"}}
+    if rec.status == "finished":
+        return {"type": "client_finished", "reason": {"type": rec.finish_reason or "success"}}
     return {"type": "active"}
 
 
@@ -317,38 +315,38 @@ async def search_sessions(g: GatewayDep, caller: CallerDep, req: wire.SessionSea
     own = (body.get("owner") or {}).get("type", "own")
     if own != "own" and not caller.admin:
         raise NotSupported("owner", "searching other owners' sessions needs an admin key")
-    recs = [r for r in await g.bus.meta_list("session") if own != "own" or r.get("owner") == who]
+    recs = await g.sessions(who if own == "own" else None)
     sid, name = body.get("session_id"), body.get("display_name")
     if sid is not None or name:
         words = (name or "").lower().split()
-        recs = [r for r in recs if (sid is not None and r["session_id"] == sid)
-                or (words and all(w in (r.get("display_name") or "").lower() for w in words))]
+        recs = [r for r in recs if (sid is not None and r.session_id == sid)
+                or (words and all(w in (r.display_name or "").lower() for w in words))]
     if body.get("project_ids") is not None:
-        recs = [r for r in recs if (r.get("project_id") or "default") in body["project_ids"]]
+        recs = [r for r in recs if (r.project_id or "default") in body["project_ids"]]
     for k, v in (str_metadata(body.get("user_metadata")) or {}).items():
-        recs = [r for r in recs if (str_metadata(r.get("user_metadata")) or {}).get(k) == v]
+        recs = [r for r in recs if (str_metadata(r.user_metadata) or {}).get(k) == v]
     if body.get("statuses"):
         kinds = {q.get("type") for q in body["statuses"]}
         recs = [r for r in recs if _session_status(r)["type"] in kinds]
-    recs.sort(key=lambda r: (r.get("created", ""), r["session_id"]), reverse=True)
+    recs.sort(key=lambda r: (r.created, r.session_id), reverse=True)
     cur = body.get("cursor")
     if cur:
         last = (str(cur.get("last_created_at", "")).replace("+00:00", "Z"), cur.get("last_session_id", ""))
-        recs = [r for r in recs if (r.get("created", ""), r["session_id"]) < last]
+        recs = [r for r in recs if (r.created, r.session_id) < last]
     limit = max(1, min(200, int(body.get("limit") or 50)))
     page = recs[:limit]
     out = []
     for r in page:
         n = 0
-        for run_id in r.get("training_run_ids", []):
-            n += len(await _run_checkpoints(g, run_id, r.get("owner")))
-        out.append({"session_id": r["session_id"], "created_at": r.get("created"), "owner": r.get("owner"),
-                    "project_id": r.get("project_id") or "default", "status": _session_status(r),
-                    "checkpoints_count": n, "display_name": r.get("display_name"),
-                    "user_metadata": str_metadata(r.get("user_metadata"))})
+        for run_id in r.training_run_ids:
+            n += len(await _run_checkpoints(g, run_id, r.owner))
+        out.append({"session_id": r.session_id, "created_at": r.created, "owner": r.owner,
+                    "project_id": r.project_id or "default", "status": _session_status(r),
+                    "checkpoints_count": n, "display_name": r.display_name,
+                    "user_metadata": str_metadata(r.user_metadata)})
     nxt = None
     if len(recs) > limit:
-        nxt = {"last_created_at": page[-1].get("created"), "last_session_id": page[-1]["session_id"]}
+        nxt = {"last_created_at": page[-1].created, "last_session_id": page[-1].session_id}
     return {"sessions": out, "next_cursor": nxt}
 
 

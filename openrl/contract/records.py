@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -61,6 +61,14 @@ class FutureRecord:
         h = json.loads(head)
         return cls(state=h["state"], op=h.get("op", ""), content_type=h["content_type"], body=body, meta=h.get("meta"))
 
+    @property
+    def info(self) -> "FutureMeta":
+        """``meta`` as a :class:`FutureMeta` (all fields None when no meta was stored)."""
+        return FutureMeta.model_validate(self.meta or {})
+
+
+R = TypeVar("R", bound="Record")
+
 
 class Record(BaseModel):
     """Base of the JSON KV records: unknown keys are kept."""
@@ -70,6 +78,22 @@ class Record(BaseModel):
     def to_record(self) -> dict[str, Any]:
         """The JSON dict to store."""
         return self.model_dump(mode="json")
+
+    def stored(self) -> dict[str, Any]:
+        """The JSON dict to write back after a read-modify-write: the keys that were read (unknown
+        ones too) plus the fields assigned since, and no defaults that were not stored
+        (``model_dump(mode="json", exclude_unset=True)``). Assign a field (never mutate it in
+        place) for the change to be kept."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+    @classmethod
+    def load(cls: type[R], data: dict[str, Any] | None) -> R | None:
+        """A stored JSON dict as this model; None for None (no record).
+
+        Raises:
+            pydantic.ValidationError: the dict is not such a record.
+        """
+        return None if data is None else cls.model_validate(data)
 
     @classmethod
     def make(cls, **fields: Any) -> dict[str, Any]:
