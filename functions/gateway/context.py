@@ -16,7 +16,7 @@ from typing import Callable
 
 from openrl.config import Settings
 from openrl.contract import events, topology
-from openrl.contract.records import FutureMeta, SamplerSession, Session, TrainingRun
+from openrl.contract.records import CheckpointManifest, FutureMeta, SamplerSession, Session, TrainingRun
 
 from openrl.observe import metrics
 
@@ -129,6 +129,18 @@ class Gateway:
         """The session records of ``owner`` (None: every owner's)."""
         recs = [Session.load(r) for r in await self.bus.meta_list("session")]
         return [r for r in recs if owner is None or r.owner == owner]
+
+    async def manifest(self, path) -> CheckpointManifest | None:
+        """The manifest of the checkpoint at ``path`` (a :class:`openrl.storage.TinkerPath`), or None."""
+        import asyncio
+
+        return CheckpointManifest.load(await asyncio.to_thread(self.storage.manifest, path))
+
+    async def run_manifests(self, run_id: str) -> list[CheckpointManifest]:
+        """The manifests of every checkpoint of training run ``run_id`` (any owner's, expired ones too)."""
+        import asyncio
+
+        return [CheckpointManifest.load(m) for m in await asyncio.to_thread(self.storage.list_run, run_id)]
 
     async def session(self, session_id: str, owner: str) -> Session:
         """The session record, or NotFound (also for another key's session)."""

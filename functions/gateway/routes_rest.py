@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from functions.gateway.context import Gateway
 from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, OwnedRunDep, ScopeDep, WireRoute
 from functions.gateway.runs import readable_manifest
-from openrl.contract.records import Session, TrainingRun
+from openrl.contract.records import CheckpointManifest, Session, TrainingRun
 from openrl.edge import wire
 from openrl.errors import NotFound, UserError
 from openrl.storage import KINDS, TinkerPath
@@ -37,38 +37,37 @@ def str_metadata(meta: dict | None) -> dict[str, str] | None:
     return {str(k): v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in meta.items()}
 
 
-def checkpoint_json(m: dict) -> dict:
+def checkpoint_json(m: CheckpointManifest) -> dict:
     """A storage manifest as the SDK's ``Checkpoint`` type."""
-    exp = m.get("expires_unix")
+    exp = m.expires_unix
     return {
-        "checkpoint_id": m["checkpoint_id"],
-        "checkpoint_type": m["checkpoint_type"],
-        "time": m["time"],
-        "tinker_path": m["tinker_path"],
-        "size_bytes": m.get("size_bytes"),
-        "public": bool(m.get("public")),
-        "user_metadata": str_metadata(m.get("user_metadata")),
+        "checkpoint_id": m.checkpoint_id,
+        "checkpoint_type": m.checkpoint_type,
+        "time": m.time,
+        "tinker_path": m.tinker_path,
+        "size_bytes": m.size_bytes,
+        "public": bool(m.public),
+        "user_metadata": str_metadata(m.user_metadata),
         "expires_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(exp)) if exp else None,
     }
 
 
-def _live(m: dict) -> bool:
-    exp = m.get("expires_unix")
+def _live(m: CheckpointManifest) -> bool:
+    exp = m.expires_unix
     return not exp or exp > time.time()
 
 
-async def _run_checkpoints(g, run_id: str, who: str | None) -> list[dict]:
+async def _run_checkpoints(g: Gateway, run_id: str, who: str | None) -> list[CheckpointManifest]:
     """Live checkpoints of a run owned by ``who`` (None: any owner; admin listings), newest first."""
-    ms = await asyncio.to_thread(g.storage.list_run, run_id)
-    ms = [m for m in ms if (who is None or m.get("owner") == who) and _live(m)]
-    ms.sort(key=lambda m: m.get("created_unix", 0), reverse=True)
+    ms = [m for m in await g.run_manifests(run_id) if (who is None or m.owner == who) and _live(m)]
+    ms.sort(key=lambda m: m.created_unix or 0, reverse=True)
     return ms
 
 
-def training_run_json(rec: TrainingRun, ckpts: list[dict]) -> dict:
+def training_run_json(rec: TrainingRun, ckpts: list[CheckpointManifest]) -> dict:
     """A training-run record as the SDK's ``TrainingRun`` type."""
-    last = next((checkpoint_json(m) for m in ckpts if m["checkpoint_type"] == "training"), None)
-    last_s = next((checkpoint_json(m) for m in ckpts if m["checkpoint_type"] == "sampler"), None)
+    last = next((checkpoint_json(m) for m in ckpts if m.checkpoint_type == "training"), None)
+    last_s = next((checkpoint_json(m) for m in ckpts if m.checkpoint_type == "sampler"), None)
     return {
         "training_run_id": rec.model_id,
         "base_model": rec.base_model,
@@ -87,17 +86,17 @@ def training_run_json(rec: TrainingRun, ckpts: list[dict]) -> dict:
 async def weights_info(req: wire.WeightsInfoRequest, g: GatewayDep, caller: CallerDep) -> dict:
     """``RestClient.get_weights_info_by_tinker_path``: base model and LoRA shape of a readable checkpoint."""
     m = await readable_manifest(g, TinkerPath.parse(req.tinker_path, field="tinker_path"), caller.owner, "tinker_path")
-    lora = m.get("lora_config") or {}
+    lora = m.lora_config or {}
     out = {
-        "base_model": m.get("base_model"),
+        "base_model": m.base_model,
         "is_lora": True,
         "lora_rank": lora.get("rank"),
         "train_unembed": lora.get("train_unembed"),
         "train_mlp": lora.get("train_mlp"),
         "train_attn": lora.get("train_attn"),
     }
-    if m.get("optimizer_config") is not None:  # else the model's default (adamw)
-        out["optimizer_config"] = m["optimizer_config"]
+    if m.optimizer_config is not None:  # else the model's default (adamw)
+        out["optimizer_config"] = m.optimizer_config
     return out
 
 
@@ -131,10 +130,10 @@ async def list_checkpoints(run_id: str, run: OwnedRunDep, g: GatewayDep, who: Sc
 @router.get("/checkpoints", response_model=wire.CheckpointsListResponse)
 async def list_user_checkpoints(g: GatewayDep, who: ScopeDep, limit: int = 100, offset: int = 0) -> dict:
     """The live checkpoints of all the caller's runs (every owner's for an admin listing all), newest first; paged."""
-    allm: list[dict] = []
+    allm: list[CheckpointManifest] = []
     for r in await g.runs(who):
         allm.extend(await _run_checkpoints(g, r.model_id, who))
-    allm.sort(key=lambda m: m.get("created_unix", 0), reverse=True)
+    allm.sort(key=lambda m: m.created_unix or 0, reverse=True)
     page = allm[offset : offset + limit]
     return {"checkpoints": [checkpoint_json(m) for m in page],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(allm)}}
@@ -149,7 +148,7 @@ def bare_checkpoint_id(checkpoint_id: str) -> UserError:
                                       f"(one of {kinds}), the tail of tinker://<run>/<kind>/<name>")
 
 
-async def _checkpoint(g: Gateway, owner: str, run_id: str, checkpoint_id: str) -> tuple[TinkerPath, dict]:
+async def _checkpoint(g: Gateway, owner: str, run_id: str, checkpoint_id: str) -> tuple[TinkerPath, CheckpointManifest]:
     """``owner``'s live checkpoint ``<kind>/<name>`` of run ``run_id`` (path + manifest).
 
     Raises:
@@ -159,8 +158,8 @@ async def _checkpoint(g: Gateway, owner: str, run_id: str, checkpoint_id: str) -
     if checkpoint_id.split("/")[0] not in KINDS:
         raise bare_checkpoint_id(checkpoint_id)
     path = TinkerPath.parse(f"tinker://{run_id}/{checkpoint_id}", field="checkpoint_id")
-    m = await asyncio.to_thread(g.storage.manifest, path)
-    if m is None or m.get("owner") != owner or not _live(m):
+    m = await g.manifest(path)
+    if m is None or m.owner != owner or not _live(m):
         raise NotFound("checkpoint_id", f"no checkpoint {checkpoint_id!r} in training run {run_id!r}")
     return path, m
 
@@ -183,10 +182,10 @@ async def _set_public(g: Gateway, owner: str, run_id: str, checkpoint_id: str, p
     """Publish / unpublish. Already in that state: 400 (hosted Tinker answers 409, which the SDK
     would retry for 5 minutes before failing)."""
     path, m = await _checkpoint(g, owner, run_id, checkpoint_id)
-    if bool(m.get("public")) == public:
+    if bool(m.public) == public:
         raise UserError("checkpoint_id", f"checkpoint is already {'public' if public else 'private'}")
-    m["public"] = public
-    await asyncio.to_thread(g.storage.write_manifest, path, m)
+    m.public = public
+    await asyncio.to_thread(g.storage.write_manifest, path, m.stored())
     return {"public": public}
 
 
@@ -206,9 +205,9 @@ async def unpublish(run_id: str, kind: str, name: str, g: GatewayDep, caller: Ca
 async def set_ttl(run_id: str, kind: str, name: str, req: wire.TtlRequest, g: GatewayDep, caller: CallerDep) -> dict:
     """Set (``ttl_seconds``, counted from now) or clear (null) a checkpoint's expiry."""
     path, m = await _checkpoint(g, caller.owner, run_id, f"{kind}/{name}")
-    m["ttl_seconds"] = req.ttl_seconds
-    m["expires_unix"] = (time.time() + req.ttl_seconds) if req.ttl_seconds else None
-    await asyncio.to_thread(g.storage.write_manifest, path, m)
+    m.ttl_seconds = req.ttl_seconds
+    m.expires_unix = (time.time() + req.ttl_seconds) if req.ttl_seconds else None
+    await asyncio.to_thread(g.storage.write_manifest, path, m.stored())
     return {"ttl_seconds": req.ttl_seconds}
 
 

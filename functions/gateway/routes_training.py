@@ -169,10 +169,10 @@ async def load_weights(req: wire.LoadWeightsRequest, g: GatewayDep, caller: Call
         check_optimizer(req.optimizer_config.model_dump())
     require(req.session_id is not None and req.model_seq_id is not None, "session_id",
             "create-via-load needs session_id and model_seq_id")
-    base = req.base_model or manifest.get("base_model")
-    lora = manifest.get("lora_config") or {"rank": manifest.get("lora_rank", 32)}
+    base = req.base_model or manifest.base_model
+    lora = manifest.lora_config or {"rank": 32 if manifest.lora_rank is None else manifest.lora_rank}
     opt = req.optimizer_config.model_dump() if getattr(req, "optimizer_config", None) else (
-        manifest.get("optimizer_config") or {"type": "adamw"})
+        manifest.optimizer_config or {"type": "adamw"})
     await g.admit_run(caller.owner, f"{req.session_id}:train:{req.model_seq_id}")  # the key's runs quota
     run = await new_run(g, caller.owner, req.session_id, req.model_seq_id, base, lora,
                         {"optimizer_config": opt, "user_metadata": req.user_metadata or {}})

@@ -7,10 +7,8 @@ its id is fixed by the SDK: ``<session_id>:train:<model_seq_id>``.
 
 from __future__ import annotations
 
-import asyncio
-
 from functions.gateway.context import Gateway
-from openrl.contract.records import Session, TrainingRun
+from openrl.contract.records import CheckpointManifest, Session, TrainingRun
 from openrl.errors import NotFound, NotSupported, UserError
 from openrl.storage import TinkerPath
 from openrl.transport.bus import now_iso
@@ -97,13 +95,13 @@ def checkpoint_path(model_id: str, kind: str, name: str) -> str:
     return str(TinkerPath.parse(f"tinker://{model_id}/{kind}/{name}", field="path"))
 
 
-async def readable_manifest(g: Gateway, ckpt: TinkerPath, owner: str, field_name: str = "path") -> dict:
+async def readable_manifest(g: Gateway, ckpt: TinkerPath, owner: str, field_name: str = "path") -> CheckpointManifest:
     """The manifest of a checkpoint ``owner`` may read (its own, or a published one).
 
     Raises:
         NotFound: naming ``field_name`` (also for another key's private checkpoint).
     """
-    m = await asyncio.to_thread(g.storage.manifest, ckpt)
-    if m is None or (m.get("owner") != owner and not m.get("public")):
+    m = await g.manifest(ckpt)
+    if m is None or (m.owner != owner and not m.public):
         raise NotFound(field_name, f"no checkpoint at {ckpt}")
     return m

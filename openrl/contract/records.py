@@ -3,7 +3,9 @@
 ``OPENRL_FUTURES`` holds one :class:`FutureRecord` per request id (a JSON head line, then the
 result bytes). ``OPENRL_META`` holds JSON records, keyed by
 ``openrl.transport.bus.kv_key(kind, id)``: :class:`Session` (``session``),
-:class:`TrainingRun` (``model``), :class:`SamplerSession` (``sampler``). Checkpoints carry a
+:class:`TrainingRun` (``model``), :class:`SamplerSession` (``sampler``), :class:`Upload`
+(``upload``), :class:`CopiedWeights` (``copy``, owner, idempotency key) and
+:class:`DownloadSecret` (``config``, ``download_secret``). Checkpoints carry a
 :class:`CheckpointManifest` (``manifest.json`` in storage) and a trainer's flushed run state a
 :class:`RunStateInfo` (the ``_runstate/<run>/HEAD.json`` pointer's info).
 
@@ -22,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 
 __all__ = [
     "FutureRecord", "FutureMeta", "Record", "Session", "TrainingRun", "SamplerSession",
-    "CheckpointManifest", "RunStateInfo",
+    "CheckpointManifest", "RunStateInfo", "Upload", "CopiedWeights", "DownloadSecret",
 ]
 
 
@@ -171,7 +173,12 @@ class SamplerSession(Record):
 
 class CheckpointManifest(Record):
     """``manifest.json`` of a checkpoint (:func:`openrl.storage.build_manifest`): files with
-    size and sha256, owner, ttl, and the run's metadata at save time."""
+    size and sha256, owner, ttl, and the run's metadata at save time.
+
+    Optional keys some manifests carry: ``user_metadata`` (the save request's), ``encryption``
+    (``{scheme: "age", recipients}``, :mod:`openrl.storage.sealing`), ``lora_rank`` (older
+    manifests without ``lora_config``), ``copied_from`` (``copy_weights``) and
+    ``imported_from`` (an uploaded adapter)."""
 
     tinker_path: str
     checkpoint_id: str | None = None
@@ -189,6 +196,11 @@ class CheckpointManifest(Record):
     lora_config: dict[str, Any] | None = None
     optimizer_config: dict[str, Any] | None = None
     seq_id: int | None = None
+    user_metadata: dict[str, Any] | None = None
+    encryption: dict[str, Any] | None = None
+    lora_rank: int | None = None
+    copied_from: str | None = None
+    imported_from: str | None = None
 
 
 class RunStateInfo(Record):
@@ -203,3 +215,33 @@ class RunStateInfo(Record):
     optimizer_config: dict[str, Any] | None = None
     flushed_unix: float | None = None
     flushed_by: str | None = None
+
+
+class Upload(Record):
+    """An adapter upload (``external_weights_upload_start``; :mod:`functions.gateway.routes_imports`):
+    ``expires_unix`` ends its signed upload URLs; ``tinker_path`` and ``finished`` are set when
+    ``external_weights_upload_finish`` stored the checkpoint."""
+
+    upload_id: str
+    owner: str
+    base_model: str
+    lora_config: dict[str, Any] = {}
+    destination_project_id: str | None = None
+    created: str
+    expires_unix: int | None = None
+    tinker_path: str | None = None
+    finished: str | None = None
+
+
+class CopiedWeights(Record):
+    """What a ``copy_weights`` with an idempotency key made (a retry answers the same path)."""
+
+    tinker_path: str
+    created: str
+
+
+class DownloadSecret(Record):
+    """The HMAC key of the gateway's signed URLs, when ``OPENRL_DOWNLOAD_SECRET`` is not set
+    (made by the first replica that needs it)."""
+
+    secret: str
