@@ -32,13 +32,13 @@ SAMPLER_CACHE_S = 60.0  # how long a replica reuses a sampling-session record (s
 
 
 _FROM_SETTINGS = ("long_poll_s", "trainer_shards", "max_body_bytes", "max_pending_samples", "max_pending_train",
-                  "k_sink")
+                  "k_sink", "public_url", "download_ttl_s", "download_secret", "proto_compress")
 
 
-def _setting(name: str):
+def _setting(name: str, **kw):
     """A dataclass field whose default is :class:`openrl.config.Settings`' ``name`` (the
-    OPENRL_* environment, read when the object is made)."""
-    return field(default_factory=lambda: getattr(Settings(), name))
+    OPENRL_* environment, read when the object is made); ``kw``: more :func:`dataclasses.field` options."""
+    return field(default_factory=lambda: getattr(Settings(), name), **kw)
 
 
 @dataclass
@@ -60,6 +60,12 @@ class GatewaySettings:
         [OPENRL_MAX_PENDING_SAMPLES, OPENRL_MAX_PENDING_TRAIN].
     pending_refresh_s: how often the stream depth is read from JetStream (seconds); in
         between, this replica's own publishes are added to the last reading.
+    public_url: base URL clients reach the gateway at, for signed download / upload / trace
+        URLs (None: the request's own) [OPENRL_PUBLIC_URL].
+    download_ttl_s: lifetime of a signed URL (seconds) [OPENRL_DOWNLOAD_TTL_S].
+    download_secret: HMAC key of signed URLs (None: one random key kept in the KV bucket)
+        [OPENRL_DOWNLOAD_SECRET].
+    proto_compress: the SDK zstd-compresses forward_backward bodies [OPENRL_PROTO_COMPRESS].
     """
 
     long_poll_s: float = _setting("long_poll_s")
@@ -73,6 +79,10 @@ class GatewaySettings:
     fwdbwd_max_chunk_len: int = 1024
     heartbeat_expiry_s: float = 600.0
     k_sink: str | None = _setting("k_sink")  # Knative SinkBinding: POST request events to the Broker
+    public_url: str | None = _setting("public_url")
+    download_ttl_s: int = _setting("download_ttl_s")
+    download_secret: str | None = _setting("download_secret", repr=False)
+    proto_compress: bool = _setting("proto_compress")
 
     @classmethod
     def of(cls, cfg: Settings) -> "GatewaySettings":

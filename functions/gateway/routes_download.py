@@ -41,7 +41,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse
 
 from functions.gateway.deps import get_gateway
-from openrl.config import Settings
 from openrl.contract.records import CheckpointManifest, DownloadSecret
 from openrl.errors import NotFound, UserError
 from openrl.storage import TinkerPath, check_name
@@ -53,14 +52,16 @@ router = APIRouter()
 DEFAULT_TTL_S = 3600
 
 
-def url_ttl_s() -> int:
-    """Seconds a download URL stays valid (``$OPENRL_DOWNLOAD_TTL_S``, default 3600)."""
-    return max(1, Settings().download_ttl_s)
+def url_ttl_s(request: Request) -> int:
+    """Seconds a download URL stays valid (the gateway's ``download_ttl_s``:
+    ``$OPENRL_DOWNLOAD_TTL_S``, default 3600)."""
+    return max(1, get_gateway(request).settings.download_ttl_s)
 
 
 async def _secret(request: Request) -> bytes:
-    """The shared HMAC key: ``$OPENRL_DOWNLOAD_SECRET`` or one random key kept in the KV bucket."""
-    env = Settings().download_secret
+    """The shared HMAC key: the gateway's ``download_secret`` (``$OPENRL_DOWNLOAD_SECRET``) or one
+    random key kept in the KV bucket."""
+    env = get_gateway(request).settings.download_secret
     if env:
         return env.encode()
     cached = getattr(request.app.state, "download_secret", None)
@@ -88,8 +89,9 @@ def signature(secret: bytes, path: TinkerPath, file: str, expires: int) -> str:
 
 
 def _public_base(request: Request) -> str:
-    """Base URL clients reach the gateway at: ``$OPENRL_PUBLIC_URL`` or the request's own."""
-    return (Settings().public_url or str(request.base_url)).rstrip("/")
+    """Base URL clients reach the gateway at: the gateway's ``public_url`` (``$OPENRL_PUBLIC_URL``)
+    or the request's own."""
+    return (get_gateway(request).settings.public_url or str(request.base_url)).rstrip("/")
 
 
 def _gcs_signed_urls(storage, path: TinkerPath, files: list[str], expires: datetime) -> dict[str, str] | None:
@@ -113,7 +115,7 @@ async def external_weights_urls(request: Request, path: TinkerPath, manifest: Ch
     files = sorted(f for f in (manifest.files or {}) if f != "manifest.json")
     if not files:
         raise NotFound("checkpoint_id", f"checkpoint {path} has no files")
-    ttl = url_ttl_s()
+    ttl = url_ttl_s(request)
     expires_unix = int(time.time()) + ttl
     expires = datetime.fromtimestamp(expires_unix, tz=timezone.utc)
     storage = get_gateway(request).storage
@@ -186,7 +188,7 @@ async def archive_url(request: Request, path: TinkerPath, manifest: CheckpointMa
     """``CheckpointArchiveUrlResponse`` ``{url, expires}`` (older SDKs'
     ``RestClient.get_checkpoint_archive_url``): a signed gateway URL of a ``.tar`` holding the
     checkpoint's files at its root. Answered as 200 JSON, which those SDKs accept besides a 302."""
-    expires_unix = int(time.time()) + url_ttl_s()
+    expires_unix = int(time.time()) + url_ttl_s(request)
     key = await _secret(request)
     url = (f"{_public_base(request)}/download-archive/{quote(path.run_id, safe=':')}/{path.kind}/"
            f"{quote(path.name, safe=':')}.tar?expires={expires_unix}&sig={signature(key, path, ARCHIVE, expires_unix)}")

@@ -105,7 +105,7 @@ async def external_weights_upload_start(req: wire.ExternalWeightsUploadStartRequ
     if not 1 <= lora["rank"] <= 512:
         raise UserError("lora_config.rank", "must be between 1 and 512")
     upload_id = uuid.uuid4().hex
-    ttl = url_ttl_s()
+    ttl = url_ttl_s(request)
     expires = int(time.time()) + ttl
     await g.bus.meta_put(Upload.make(upload_id=upload_id, owner=caller.owner, base_model=req.base_model,
                                      lora_config=lora, destination_project_id=req.destination_project_id,

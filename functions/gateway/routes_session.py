@@ -8,7 +8,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, WireRoute
-from openrl.config import Settings
 from openrl.contract.records import Session
 from openrl.edge import wire
 from openrl.errors import Gone, UserError
@@ -30,7 +29,7 @@ async def client_config(g: GatewayDep) -> dict:
         "fwdbwd_max_chunk_bytes_count": min(5_000_000, g.body_limit() // 2),
         # OPENRL_PROTO_COMPRESS=1: the SDK zstd-compresses forward_backward bodies
         # (Content-Encoding: zstd; the gateway decompresses them, capped at the body limit)
-        "proto_compress_fwdbwd": Settings().proto_compress,
+        "proto_compress_fwdbwd": s.proto_compress,
         "sample_use_retrieve_futures": False,
         "sample_join_sampling_session": False,
         "custom_loss_server_side": False,

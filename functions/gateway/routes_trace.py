@@ -38,7 +38,7 @@ public = APIRouter()  # the signed URL carries no key
 async def export_session_trace(session_id: str, request: Request, g: GatewayDep, caller: CallerDep) -> dict:
     """The signed URL of the session's trace (404 for an unknown or another key's session)."""
     await g.session(session_id, caller.owner)
-    expires = int(time.time()) + url_ttl_s()
+    expires = int(time.time()) + url_ttl_s(request)
     sig = sign(await _secret(request), f"trace/{session_id}", expires)
     url = f"{_public_base(request)}/download-trace/{session_id}.json?expires={expires}&sig={sig}"
     return {"status": "ready", "url": url}
