@@ -5,7 +5,8 @@ result bytes). ``OPENRL_META`` holds JSON records, keyed by
 ``openrl.transport.bus.kv_key(kind, id)``: :class:`Session` (``session``),
 :class:`TrainingRun` (``model``), :class:`SamplerSession` (``sampler``), :class:`Upload`
 (``upload``), :class:`CopiedWeights` (``copy``, owner, idempotency key) and
-:class:`DownloadSecret` (``config``, ``download_secret``). Checkpoints carry a
+:class:`DownloadSecret` (``config``, ``download_secret``), :class:`WorkerRecord` (``workers``,
+function, shard, instance). Checkpoints carry a
 :class:`CheckpointManifest` (``manifest.json`` in storage) and a trainer's flushed run state a
 :class:`RunStateInfo` (the ``_runstate/<run>/HEAD.json`` pointer's info).
 
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict
 __all__ = [
     "FutureRecord", "FutureMeta", "Record", "Session", "TrainingRun", "SamplerSession",
     "CheckpointManifest", "RunStateInfo", "Upload", "CopiedWeights", "DownloadSecret",
+    "WorkerRecord",
 ]
 
 
@@ -245,3 +247,24 @@ class DownloadSecret(Record):
     (made by the first replica that needs it)."""
 
     secret: str
+
+
+class WorkerRecord(Record):
+    """A worker's presence record (:class:`openrl.transport.worker.WorkerPresence`): what it
+    serves, where it runs, what its Function describes (``device``, ``dtype``, ``backend``,
+    ``models_failed``, ``details``; as the Function reports them), and when it was refreshed."""
+
+    function: str
+    shard: int | None = None
+    instance: str | None = None
+    pid: int | None = None
+    host: str | None = None
+    device: Any = None
+    dtype: Any = None
+    backend: Any = None
+    models_failed: Any = None
+    details: Any = None
+    started: str | None = None
+    updated: str | None = None
+    updated_unix: float | None = None
+    refresh_s: float | None = None
