@@ -177,8 +177,8 @@ async def external_weights_upload_finish(req: wire.ExternalWeightsUploadFinishRe
                 raise UserError(f, f"not uploaded: PUT it to its URL from external_weights_upload_start first")
             (d / f).write_bytes(data)
         entry = g.registry.resolve(rec.base_model)
-        lora = await asyncio.to_thread(check_peft_adapter, Path(entry.path), d, rec.lora_config)
-        lora["seed"] = rec.lora_config.get("seed")
+        lora = await asyncio.to_thread(check_peft_adapter, Path(entry.path), d, rec.lora_config.stored())
+        lora["seed"] = rec.lora_config.seed
         session_id = uuid.uuid4().hex[:20]
         await g.bus.meta_put(Session.make(
             session_id=session_id, owner=who, tags=["external_weights_upload"], user_metadata={},

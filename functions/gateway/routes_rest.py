@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from functions.gateway.context import Gateway
 from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, OwnedRunDep, ScopeDep, WireRoute
 from functions.gateway.runs import readable_manifest
-from openrl.contract.records import CheckpointManifest, Session, TrainingRun
+from openrl.contract.records import CheckpointManifest, LoraConfig, Session, TrainingRun
 from openrl.edge import wire
 from openrl.errors import NotFound, UserError
 from openrl.storage import KINDS, TinkerPath
@@ -74,7 +74,7 @@ def training_run_json(rec: TrainingRun, ckpts: list[CheckpointManifest]) -> dict
         "model_owner": rec.owner,
         "is_lora": True,
         "corrupted": False,
-        "lora_rank": (rec.lora_config or {}).get("rank"),
+        "lora_rank": rec.lora_config.rank,
         "last_request_time": rec.last_request_time or rec.created,
         "last_checkpoint": last,
         "last_sampler_checkpoint": last_s,
@@ -86,14 +86,14 @@ def training_run_json(rec: TrainingRun, ckpts: list[CheckpointManifest]) -> dict
 async def weights_info(req: wire.WeightsInfoRequest, g: GatewayDep, caller: CallerDep) -> dict:
     """``RestClient.get_weights_info_by_tinker_path``: base model and LoRA shape of a readable checkpoint."""
     m = await readable_manifest(g, TinkerPath.parse(req.tinker_path, field="tinker_path"), caller.owner, "tinker_path")
-    lora = m.lora_config or {}
+    lora = m.lora_config or LoraConfig()
     out = {
         "base_model": m.base_model,
         "is_lora": True,
-        "lora_rank": lora.get("rank"),
-        "train_unembed": lora.get("train_unembed"),
-        "train_mlp": lora.get("train_mlp"),
-        "train_attn": lora.get("train_attn"),
+        "lora_rank": lora.rank,
+        "train_unembed": lora.train_unembed,
+        "train_mlp": lora.train_mlp,
+        "train_attn": lora.train_attn,
     }
     if m.optimizer_config is not None:  # else the model's default (adamw)
         out["optimizer_config"] = m.optimizer_config

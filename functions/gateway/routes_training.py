@@ -80,7 +80,7 @@ async def get_info(req: wire.GetInfoRequest, g: GatewayDep, caller: CallerDep) -
         "model_id": run.model_id,
         "model_data": {"arch": "qwen3", "model_name": run.base_model, "tokenizer_id": run.tokenizer_id},
         "is_lora": True,
-        "lora_rank": (run.lora_config or {}).get("rank"),
+        "lora_rank": run.lora_config.rank,
         "model_name": run.base_model,
     }
     if run.optimizer_config is not None:  # else the model's default (adamw)
@@ -170,7 +170,8 @@ async def load_weights(req: wire.LoadWeightsRequest, g: GatewayDep, caller: Call
     require(req.session_id is not None and req.model_seq_id is not None, "session_id",
             "create-via-load needs session_id and model_seq_id")
     base = req.base_model or manifest.base_model
-    lora = manifest.lora_config or {"rank": 32 if manifest.lora_rank is None else manifest.lora_rank}
+    lora = (manifest.lora_config.stored() if manifest.lora_config is not None else {}) or {
+        "rank": 32 if manifest.lora_rank is None else manifest.lora_rank}
     opt = req.optimizer_config.model_dump() if getattr(req, "optimizer_config", None) else (
         manifest.optimizer_config or {"type": "adamw"})
     await g.admit_run(caller.owner, f"{req.session_id}:train:{req.model_seq_id}")  # the key's runs quota

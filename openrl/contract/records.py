@@ -21,12 +21,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "FutureRecord", "FutureMeta", "Record", "Session", "TrainingRun", "SamplerSession",
     "CheckpointManifest", "RunStateInfo", "Upload", "CopiedWeights", "DownloadSecret",
-    "WorkerRecord",
+    "WorkerRecord", "LoraConfig",
 ]
 
 
@@ -122,6 +122,18 @@ class FutureMeta(Record):
     t1: float | None = None
 
 
+class LoraConfig(Record):
+    """The LoRA config a record holds (``lora_config`` of a run, checkpoint or upload), as the
+    request gave it or an imported adapter declared it; other keys (``alpha``, ...) are kept.
+    An absent key reads as None."""
+
+    rank: int | None = None
+    seed: int | None = None
+    train_unembed: bool | None = None
+    train_mlp: bool | None = None
+    train_attn: bool | None = None
+
+
 class Session(Record):
     """A client session (``create_session``); ``status`` becomes ``finished`` on finish."""
 
@@ -151,7 +163,7 @@ class TrainingRun(Record):
     session_id: str
     owner: str
     base_model: str | None
-    lora_config: dict[str, Any] = {}
+    lora_config: LoraConfig = Field(default_factory=LoraConfig)
     optimizer_config: dict[str, Any] | None = None
     tokenizer_id: str | None = None
     shard: int = 0
@@ -195,7 +207,7 @@ class CheckpointManifest(Record):
     size_bytes: int = 0
     files: dict[str, dict[str, Any]] = {}
     base_model: str | None = None
-    lora_config: dict[str, Any] | None = None
+    lora_config: LoraConfig | None = None
     optimizer_config: dict[str, Any] | None = None
     seq_id: int | None = None
     user_metadata: dict[str, Any] | None = None
@@ -227,7 +239,7 @@ class Upload(Record):
     upload_id: str
     owner: str
     base_model: str
-    lora_config: dict[str, Any] = {}
+    lora_config: LoraConfig = Field(default_factory=LoraConfig)
     destination_project_id: str | None = None
     created: str
     expires_unix: int | None = None
