@@ -12,10 +12,11 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from openrl.config import Settings
 from openrl.contract import events, topology
-from openrl.contract.records import FutureMeta
+from openrl.contract.records import CheckpointManifest, FutureMeta, SamplerSession, Session, TrainingRun
 
 from openrl.observe import metrics
 
@@ -31,13 +32,13 @@ SAMPLER_CACHE_S = 60.0  # how long a replica reuses a sampling-session record (s
 
 
 _FROM_SETTINGS = ("long_poll_s", "trainer_shards", "max_body_bytes", "max_pending_samples", "max_pending_train",
-                  "k_sink")
+                  "k_sink", "public_url", "download_ttl_s", "download_secret", "proto_compress")
 
 
-def _setting(name: str):
+def _setting(name: str, **kw):
     """A dataclass field whose default is :class:`openrl.config.Settings`' ``name`` (the
-    OPENRL_* environment, read when the object is made)."""
-    return field(default_factory=lambda: getattr(Settings(), name))
+    OPENRL_* environment, read when the object is made); ``kw``: more :func:`dataclasses.field` options."""
+    return field(default_factory=lambda: getattr(Settings(), name), **kw)
 
 
 @dataclass
@@ -59,6 +60,12 @@ class GatewaySettings:
         [OPENRL_MAX_PENDING_SAMPLES, OPENRL_MAX_PENDING_TRAIN].
     pending_refresh_s: how often the stream depth is read from JetStream (seconds); in
         between, this replica's own publishes are added to the last reading.
+    public_url: base URL clients reach the gateway at, for signed download / upload / trace
+        URLs (None: the request's own) [OPENRL_PUBLIC_URL].
+    download_ttl_s: lifetime of a signed URL (seconds) [OPENRL_DOWNLOAD_TTL_S].
+    download_secret: HMAC key of signed URLs (None: one random key kept in the KV bucket)
+        [OPENRL_DOWNLOAD_SECRET].
+    proto_compress: the SDK zstd-compresses forward_backward bodies [OPENRL_PROTO_COMPRESS].
     """
 
     long_poll_s: float = _setting("long_poll_s")
@@ -72,6 +79,10 @@ class GatewaySettings:
     fwdbwd_max_chunk_len: int = 1024
     heartbeat_expiry_s: float = 600.0
     k_sink: str | None = _setting("k_sink")  # Knative SinkBinding: POST request events to the Broker
+    public_url: str | None = _setting("public_url")
+    download_ttl_s: int = _setting("download_ttl_s")
+    download_secret: str | None = _setting("download_secret", repr=False)
+    proto_compress: bool = _setting("proto_compress")
 
     @classmethod
     def of(cls, cfg: Settings) -> "GatewaySettings":
@@ -111,21 +122,70 @@ class Gateway:
         return self._vocab[base_model]
 
     # ----- records ----------------------------------------------------------------
-    async def session(self, session_id: str, owner: str) -> dict:
+    async def session_record(self, session_id: str) -> Session | None:
+        """The session record of ``session_id`` (any owner's), or None."""
+        return Session.load(await self.bus.meta_get("session", session_id))
+
+    async def model_record(self, model_id: str) -> TrainingRun | None:
+        """The training-run record of ``model_id`` (any owner's), or None."""
+        return TrainingRun.load(await self.bus.meta_get("model", model_id))
+
+    async def runs(self, owner: str | None = None) -> list[TrainingRun]:
+        """The training-run records of ``owner`` (None: every owner's)."""
+        recs = [TrainingRun.load(r) for r in await self.bus.meta_list("model")]
+        return [r for r in recs if owner is None or r.owner == owner]
+
+    async def sessions(self, owner: str | None = None) -> list[Session]:
+        """The session records of ``owner`` (None: every owner's)."""
+        recs = [Session.load(r) for r in await self.bus.meta_list("session")]
+        return [r for r in recs if owner is None or r.owner == owner]
+
+    async def manifest(self, path) -> CheckpointManifest | None:
+        """The manifest of the checkpoint at ``path`` (a :class:`openrl.storage.TinkerPath`), or None."""
+        import asyncio
+
+        return CheckpointManifest.load(await asyncio.to_thread(self.storage.manifest, path))
+
+    async def run_manifests(self, run_id: str) -> list[CheckpointManifest]:
+        """The manifests of every checkpoint of training run ``run_id`` (any owner's, expired ones too)."""
+        import asyncio
+
+        return [CheckpointManifest.load(m) for m in await asyncio.to_thread(self.storage.list_run, run_id)]
+
+    async def session(self, session_id: str, owner: str) -> Session:
         """The session record, or NotFound (also for another key's session)."""
-        rec = await self.bus.meta_get("session", session_id)
-        if rec is None or rec.get("owner") != owner:
+        rec = await self.session_record(session_id)
+        if rec is None or rec.owner != owner:
             raise NotFound("session_id", f"unknown session {session_id!r}")
         return rec
 
-    async def model(self, model_id: str, owner: str, field_name: str = "model_id") -> dict:
+    async def update_session(self, session_id: str, change: Callable[[Session], None],
+                             missing: Session | None = None) -> None:
+        """Compare-and-set update of a session record: ``change`` assigns fields of the record
+        read (concurrent appends, heartbeats and finishes are kept); the record is written back
+        with its keys as read plus the fields assigned (:meth:`Record.stored`). A record gone
+        meanwhile is written from ``missing`` (a copy), or else as the assigned fields alone."""
+
+        def apply(old: dict | None) -> dict:
+            if old is not None:
+                rec = Session.load(old)
+            elif missing is not None:
+                rec = missing.model_copy(deep=True)
+            else:
+                rec = Session.model_construct()
+            change(rec)
+            return rec.stored()
+
+        await self.bus.meta_update(apply, "session", session_id)
+
+    async def model(self, model_id: str, owner: str, field_name: str = "model_id") -> TrainingRun:
         """The training-run record, or NotFound (also for another key's run)."""
-        rec = await self.bus.meta_get("model", model_id)
-        if rec is None or rec.get("owner") != owner:
+        rec = await self.model_record(model_id)
+        if rec is None or rec.owner != owner:
             raise NotFound(field_name, f"unknown training run {model_id!r}")
         return rec
 
-    async def sampler(self, sampler_id: str, owner: str) -> dict:
+    async def sampler(self, sampler_id: str, owner: str) -> SamplerSession:
         """The sampling-session record, or NotFound (also for another key's session).
 
         Records are immutable once written, so each replica keeps them for
@@ -138,12 +198,12 @@ class Gateway:
         if hit is not None and time.monotonic() - hit[1] < SAMPLER_CACHE_S:
             rec = hit[0]
         else:
-            rec = await self.bus.meta_get("sampler", sampler_id)
+            rec = SamplerSession.load(await self.bus.meta_get("sampler", sampler_id))
             if rec is not None:
                 if len(self._samplers) >= 10_000:
                     self._samplers.clear()
                 self._samplers[sampler_id] = (rec, time.monotonic())
-        if rec is None or rec.get("owner") != owner:
+        if rec is None or rec.owner != owner:
             raise NotFound("sampling_session_id", f"unknown sampling session {sampler_id!r}")
         return rec
 
@@ -252,7 +312,8 @@ class Gateway:
         subject: str,
         data: dict | bytes,
         *,
-        model: dict | None = None,
+        shard: int = 0,
+        owner: str | None = None,
         future_meta: dict | None = None,
     ) -> bool:
         """Record a pending future and publish its request event.
@@ -263,10 +324,13 @@ class Gateway:
         failed to publish (NATS restarting); the copy carries the same ``Nats-Msg-Id``, so
         JetStream drops it when the first did land (120 s duplicate window), and a later
         duplicate is harmless (the trainer skips seq_ids it applied; a sample is re-run).
+
+        ``shard``: the trainer shard of a training request (its run's ``shard``). ``owner``: the
+        owner id the workers' usage metrics charge when ``future_meta`` names none.
         """
         # "t0": when the request was accepted (unix s); the session trace export starts its slice there
-        future_meta = FutureMeta.make(**{**(future_meta or {}), "t0": round(time.time(), 6)})
-        created = await self.bus.future_create(request_id, op, meta=future_meta)
+        meta = FutureMeta(**{**(future_meta or {}), "t0": round(time.time(), 6)})
+        created = await self.bus.future_create(request_id, op, meta=meta.stored())
         if not created:
             if self.settings.k_sink:  # the sink path forgets a future whose publish failed
                 return False
@@ -274,11 +338,10 @@ class Gateway:
             if old is None or old.state != "pending":
                 return False
         ext = {}
-        shard = (model or {}).get("shard", 0)
         if topology.function_of_op(op) == topology.TRAINER:
             ext["trainershard"] = str(shard)
         subject_nats = topology.subject_for(op, shard)
-        owner_id = (future_meta or {}).get("owner") or (model or {}).get("owner")
+        owner_id = meta.owner or owner
         if owner_id:
             ext["owner"] = owner_id  # the owner id (never the key): per-key usage metrics in the workers
         # observability: a "publish <op>" span whose context rides in the event's traceparent;

@@ -24,6 +24,7 @@ from fastapi.routing import APIRoute
 from fastapi.security import APIKeyHeader, APIKeyQuery
 
 from functions.gateway.context import Gateway
+from openrl.contract.records import TrainingRun
 from openrl.edge.auth import HEADER, INTERNAL_HEADER, Caller
 from openrl.errors import NotFound
 
@@ -65,7 +66,7 @@ def listing_scope(caller: CallerDep, access_scope: str | None = None) -> str | N
 ScopeDep = Annotated[str | None, Depends(listing_scope)]
 
 
-async def owned_run(run_id: str, g: GatewayDep, scope: ScopeDep) -> dict:
+async def owned_run(run_id: str, g: GatewayDep, scope: ScopeDep) -> TrainingRun:
     """The training-run record of path parameter ``run_id`` that the caller may read: its own
     (any, for an admin listing all).
 
@@ -74,13 +75,13 @@ async def owned_run(run_id: str, g: GatewayDep, scope: ScopeDep) -> dict:
     """
     if scope is not None:
         return await g.model(run_id, scope, "training_run_id")
-    rec = await g.bus.meta_get("model", run_id)
+    rec = await g.model_record(run_id)
     if rec is None:
         raise NotFound("training_run_id", f"unknown training run {run_id!r}")
     return rec
 
 
-OwnedRunDep = Annotated[dict, Depends(owned_run)]
+OwnedRunDep = Annotated[TrainingRun, Depends(owned_run)]
 
 
 def internal_token(g: GatewayDep, header: Annotated[str | None, Security(_internal_header)],

@@ -29,6 +29,7 @@ import time
 from collections import deque
 from datetime import datetime, timezone
 
+from openrl.contract.records import CheckpointManifest, Session, TrainingRun
 from openrl.edge.auth import Quota
 from openrl.errors import Overloaded, UserError
 
@@ -127,15 +128,15 @@ class Quotas:
         """
         if quota.runs is None or await bus.meta_get("model", model_id) is not None:
             return
-        runs = [r for r in await bus.meta_list("model") if r.get("owner") == owner and not r.get("frozen")]
+        runs = [r for r in map(TrainingRun.load, await bus.meta_list("model")) if r.owner == owner and not r.frozen]
         live_sessions: dict[str, bool] = {}
         now = time.time()
         n = 0
         for r in runs:
-            sid = r.get("session_id", "")
+            sid = r.session_id
             if sid not in live_sessions:
-                s = await bus.meta_get("session", sid)
-                live_sessions[sid] = s is not None and now - _unix(s.get("last_heartbeat")) <= self.heartbeat_expiry_s
+                s = Session.load(await bus.meta_get("session", sid))
+                live_sessions[sid] = s is not None and now - _unix(s.last_heartbeat) <= self.heartbeat_expiry_s
             n += live_sessions[sid]
         if n >= quota.runs:
             raise self._reject("runs", f"the key holds {n} training runs in live sessions; the quota is {quota.runs}",
@@ -148,15 +149,15 @@ class Quotas:
         hit = self._stored.get(owner)
         if hit is not None and time.monotonic() - hit[0] < STORED_CACHE_S:
             return hit[1]
-        runs = [r["model_id"] for r in await bus.meta_list("model") if r.get("owner") == owner]
+        runs = [r.model_id for r in map(TrainingRun.load, await bus.meta_list("model")) if r.owner == owner]
 
         def total() -> int:
             now, n = time.time(), 0
             for rid in runs:
-                for m in storage.list_run(rid):
-                    exp = m.get("expires_unix")
-                    if m.get("owner") == owner and (not exp or exp > now):
-                        n += int(m.get("size_bytes") or 0)
+                for m in map(CheckpointManifest.load, storage.list_run(rid)):
+                    exp = m.expires_unix
+                    if m.owner == owner and (not exp or exp > now):
+                        n += int(m.size_bytes or 0)
             return n
 
         n = await asyncio.to_thread(total)

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Header
 
 from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, WireRoute
 from functions.gateway.runs import add_to_session, model_id_for, readable_manifest
-from openrl.contract.records import Session, TrainingRun
+from openrl.contract.records import CopiedWeights, Session, TrainingRun
 from openrl.edge import wire
 from openrl.transport.bus import now_iso
 from openrl.errors import NotSupported, UserError
@@ -50,9 +50,9 @@ async def copy_weights(req: wire.CopyWeightsRequest, g: GatewayDep, caller: Call
     m = await readable_manifest(g, src, who, "source_path")
     idem = x_idempotency_key
     if idem:
-        done = await g.bus.meta_get("copy", who, idem)
+        done = CopiedWeights.load(await g.bus.meta_get("copy", who, idem))
         if done is not None:
-            return {"tinker_path": done["tinker_path"]}
+            return {"tinker_path": done.tinker_path}
 
     if req.session_id is not None:
         session_id, slot = req.session_id, int(req.model_seq_id)
@@ -67,9 +67,9 @@ async def copy_weights(req: wire.CopyWeightsRequest, g: GatewayDep, caller: Call
         ), "session", session_id)
     model_id = model_id_for(session_id, slot)
     rec = TrainingRun.make(
-        model_id=model_id, session_id=session_id, owner=who, base_model=m.get("base_model"),
-        lora_config=m.get("lora_config") or {}, optimizer_config=m.get("optimizer_config"),
-        tokenizer_id=_tokenizer_id(g, m.get("base_model")), shard=g.shard_of(model_id),
+        model_id=model_id, session_id=session_id, owner=who, base_model=m.base_model,
+        lora_config=m.lora_config or {}, optimizer_config=m.optimizer_config,
+        tokenizer_id=_tokenizer_id(g, m.base_model), shard=g.shard_of(model_id),
         created=now_iso(), last_request_time=now_iso(), user_metadata={},
         frozen=True, copy_of=str(src),
     )
@@ -78,15 +78,15 @@ async def copy_weights(req: wire.CopyWeightsRequest, g: GatewayDep, caller: Call
     await add_to_session(g, session_id, "training_run_ids", model_id)
     dst = TinkerPath.parse(f"tinker://{model_id}/{src.kind}/{src.name}", field="source_path")
     now = time.time()
-    manifest = {
-        **m, "tinker_path": str(dst), "training_run_id": model_id, "owner": who, "public": False,
-        "created_unix": now, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
-        "ttl_seconds": req.ttl_seconds, "expires_unix": (now + req.ttl_seconds) if req.ttl_seconds else None,
-        "copied_from": str(src),
-    }
-    await asyncio.to_thread(g.storage.copy, src, dst, manifest)
+    manifest = m.model_copy(update=dict(
+        tinker_path=str(dst), training_run_id=model_id, owner=who, public=False,
+        created_unix=now, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+        ttl_seconds=req.ttl_seconds, expires_unix=(now + req.ttl_seconds) if req.ttl_seconds else None,
+        copied_from=str(src),
+    ))
+    await asyncio.to_thread(g.storage.copy, src, dst, manifest.stored())
     if idem:
-        await g.bus.meta_put({"tinker_path": str(dst), "created": now_iso()}, "copy", who, idem)
+        await g.bus.meta_put(CopiedWeights.make(tinker_path=str(dst), created=now_iso()), "copy", who, idem)
     return {"tinker_path": str(dst)}
 
 

@@ -41,7 +41,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse
 
 from functions.gateway.deps import get_gateway
-from openrl.config import Settings
+from openrl.contract.records import CheckpointManifest, DownloadSecret
 from openrl.errors import NotFound, UserError
 from openrl.storage import TinkerPath, check_name
 from openrl.storage.sealing import parse_recipients
@@ -52,25 +52,28 @@ router = APIRouter()
 DEFAULT_TTL_S = 3600
 
 
-def url_ttl_s() -> int:
-    """Seconds a download URL stays valid (``$OPENRL_DOWNLOAD_TTL_S``, default 3600)."""
-    return max(1, Settings().download_ttl_s)
+def url_ttl_s(request: Request) -> int:
+    """Seconds a download URL stays valid (the gateway's ``download_ttl_s``:
+    ``$OPENRL_DOWNLOAD_TTL_S``, default 3600)."""
+    return max(1, get_gateway(request).settings.download_ttl_s)
 
 
 async def _secret(request: Request) -> bytes:
-    """The shared HMAC key: ``$OPENRL_DOWNLOAD_SECRET`` or one random key kept in the KV bucket."""
-    env = Settings().download_secret
+    """The shared HMAC key: the gateway's ``download_secret`` (``$OPENRL_DOWNLOAD_SECRET``) or one
+    random key kept in the KV bucket."""
+    env = get_gateway(request).settings.download_secret
     if env:
         return env.encode()
     cached = getattr(request.app.state, "download_secret", None)
     if cached:
         return cached
     bus = get_gateway(request).bus
-    rec = await bus.meta_get("config", "download_secret")
+    rec = DownloadSecret.load(await bus.meta_get("config", "download_secret"))
     if rec is None:
-        await bus.meta_create({"secret": secrets.token_hex(32)}, "config", "download_secret")
-        rec = await bus.meta_get("config", "download_secret")  # the winner's, if another replica raced us
-    key = str(rec["secret"]).encode()
+        await bus.meta_create(DownloadSecret.make(secret=secrets.token_hex(32)), "config", "download_secret")
+        # the winner's, if another replica raced us
+        rec = DownloadSecret.load(await bus.meta_get("config", "download_secret"))
+    key = str(rec.secret).encode()
     request.app.state.download_secret = key
     return key
 
@@ -86,8 +89,9 @@ def signature(secret: bytes, path: TinkerPath, file: str, expires: int) -> str:
 
 
 def _public_base(request: Request) -> str:
-    """Base URL clients reach the gateway at: ``$OPENRL_PUBLIC_URL`` or the request's own."""
-    return (Settings().public_url or str(request.base_url)).rstrip("/")
+    """Base URL clients reach the gateway at: the gateway's ``public_url`` (``$OPENRL_PUBLIC_URL``)
+    or the request's own."""
+    return (get_gateway(request).settings.public_url or str(request.base_url)).rstrip("/")
 
 
 def _gcs_signed_urls(storage, path: TinkerPath, files: list[str], expires: datetime) -> dict[str, str] | None:
@@ -101,17 +105,17 @@ def _gcs_signed_urls(storage, path: TinkerPath, files: list[str], expires: datet
         return None
 
 
-async def external_weights_urls(request: Request, path: TinkerPath, manifest: dict) -> dict:
+async def external_weights_urls(request: Request, path: TinkerPath, manifest: CheckpointManifest) -> dict:
     """``ExternalWeightsUrlsResponse`` for a checkpoint the caller owns: ``{urls: {file: url},
     expires: ISO-8601}``.
 
     Raises:
         NotFound: the manifest lists no files.
     """
-    files = sorted(f for f in (manifest.get("files") or {}) if f != "manifest.json")
+    files = sorted(f for f in (manifest.files or {}) if f != "manifest.json")
     if not files:
         raise NotFound("checkpoint_id", f"checkpoint {path} has no files")
-    ttl = url_ttl_s()
+    ttl = url_ttl_s(request)
     expires_unix = int(time.time()) + ttl
     expires = datetime.fromtimestamp(expires_unix, tz=timezone.utc)
     storage = get_gateway(request).storage
@@ -166,9 +170,9 @@ async def download(run_id: str, kind: str, name: str, file: str, request: Reques
     if not hmac.compare_digest(want, sig):
         return _forbidden("bad download URL signature")
     g = get_gateway(request)
-    m = await asyncio.to_thread(g.storage.manifest, path)
-    exp = (m or {}).get("expires_unix")
-    if m is None or file not in (m.get("files") or {}) or (exp and exp <= time.time()):
+    m = await g.manifest(path)
+    exp = m.expires_unix if m is not None else None
+    if m is None or file not in (m.files or {}) or (exp and exp <= time.time()):
         return JSONResponse(status_code=404, content={"detail": f"no file {file!r} in {path}", "category": "user",
                                                       "field": "path"})
     local = await asyncio.to_thread(g.storage.get_dir, path)
@@ -180,11 +184,11 @@ async def download(run_id: str, kind: str, name: str, file: str, request: Reques
 ARCHIVE = "*archive*"  # the "file" an archive URL is signed for
 
 
-async def archive_url(request: Request, path: TinkerPath, manifest: dict) -> dict:
+async def archive_url(request: Request, path: TinkerPath, manifest: CheckpointManifest) -> dict:
     """``CheckpointArchiveUrlResponse`` ``{url, expires}`` (older SDKs'
     ``RestClient.get_checkpoint_archive_url``): a signed gateway URL of a ``.tar`` holding the
     checkpoint's files at its root. Answered as 200 JSON, which those SDKs accept besides a 302."""
-    expires_unix = int(time.time()) + url_ttl_s()
+    expires_unix = int(time.time()) + url_ttl_s(request)
     key = await _secret(request)
     url = (f"{_public_base(request)}/download-archive/{quote(path.run_id, safe=':')}/{path.kind}/"
            f"{quote(path.name, safe=':')}.tar?expires={expires_unix}&sig={signature(key, path, ARCHIVE, expires_unix)}")
@@ -211,8 +215,8 @@ async def download_archive(run_id: str, kind: str, name: str, request: Request, 
     if not hmac.compare_digest(signature(await _secret(request), path, ARCHIVE, expires), sig):
         return _forbidden("bad archive URL signature")
     g = get_gateway(request)
-    m = await asyncio.to_thread(g.storage.manifest, path)
-    exp = (m or {}).get("expires_unix")
+    m = await g.manifest(path)
+    exp = m.expires_unix if m is not None else None
     if m is None or (exp and exp <= time.time()):
         return JSONResponse(status_code=404, content={"detail": f"no checkpoint {path}", "category": "user",
                                                       "field": "path"})
@@ -222,7 +226,7 @@ async def download_archive(run_id: str, kind: str, name: str, request: Request, 
 
     def build():
         with tarfile.open(out, "w") as tar:
-            for f in sorted(m.get("files") or {}):
+            for f in sorted(m.files or {}):
                 tar.add(local / f, arcname=f)
 
     await asyncio.to_thread(build)

@@ -58,5 +58,5 @@ async def dead_letter(request: Request, g: GatewayDep):
         seq = dead_seq(ev)
         if seq is not None:  # the run's later requests go on instead of waiting for the gap timeout
             model_id, seq_id, shard = seq
-            await publish_skip(g, {"model_id": model_id, "shard": int(shard)}, seq_id)
+            await publish_skip(g, model_id, int(shard), seq_id)
     return Response(status_code=202)

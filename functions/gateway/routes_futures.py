@@ -31,7 +31,7 @@ async def retrieve_future(req: wire.RetrieveFutureRequest, g: GatewayDep, caller
     who = caller.owner
 
     def check(rec) -> None:
-        if rec is None or (rec.meta or {}).get("owner") != who:  # unknown, or another key's (or nobody's)
+        if rec is None or rec.info.owner != who:  # unknown, or another key's (or nobody's)
             raise NotFound("request_id", f"unknown future {req.request_id!r}")
 
     # one read of the bucket, after the waiter is registered; the result comes with the watcher

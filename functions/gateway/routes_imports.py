@@ -49,7 +49,7 @@ from fastapi import APIRouter, Request
 from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, WireRoute
 from functions.gateway.routes_download import _public_base, _secret, sign, url_ttl_s
 from functions.gateway.runs import add_to_session, model_id_for
-from openrl.contract.records import Session, TrainingRun
+from openrl.contract.records import CheckpointManifest, Session, TrainingRun, Upload
 from openrl.edge import wire
 from openrl.errors import NotFound, NotSupported, UserError
 from openrl.model.adapter_check import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, check_peft_adapter
@@ -80,14 +80,14 @@ def _wants_url_objects(request: Request) -> bool:
     return (major, minor) >= (0, 40)
 
 
-async def _upload(g, upload_id: str, owner: str | None) -> dict:
+async def _upload(g, upload_id: str, owner: str | None) -> Upload:
     """The upload record ``upload_id`` (``owner``'s, when given).
 
     Raises:
         NotFound: unknown, or another key's (404 naming ``upload_id``).
     """
-    rec = await g.bus.meta_get("upload", upload_id) if upload_id.isalnum() else None
-    if rec is None or (owner is not None and rec.get("owner") != owner):
+    rec = Upload.load(await g.bus.meta_get("upload", upload_id)) if upload_id.isalnum() else None
+    if rec is None or (owner is not None and rec.owner != owner):
         raise NotFound("upload_id", f"unknown upload {upload_id!r}")
     return rec
 
@@ -105,11 +105,11 @@ async def external_weights_upload_start(req: wire.ExternalWeightsUploadStartRequ
     if not 1 <= lora["rank"] <= 512:
         raise UserError("lora_config.rank", "must be between 1 and 512")
     upload_id = uuid.uuid4().hex
-    ttl = url_ttl_s()
+    ttl = url_ttl_s(request)
     expires = int(time.time()) + ttl
-    await g.bus.meta_put({"upload_id": upload_id, "owner": caller.owner, "base_model": req.base_model,
-                          "lora_config": lora, "destination_project_id": req.destination_project_id,
-                          "created": now_iso(), "expires_unix": expires, "tinker_path": None},
+    await g.bus.meta_put(Upload.make(upload_id=upload_id, owner=caller.owner, base_model=req.base_model,
+                                     lora_config=lora, destination_project_id=req.destination_project_id,
+                                     created=now_iso(), expires_unix=expires, tinker_path=None),
                          "upload", upload_id)
     secret = await _secret(request)
     base = _public_base(request)
@@ -147,8 +147,8 @@ async def upload_file(upload_id: str, file: str, request: Request, expires: int 
     if file not in UPLOAD_FILES:
         raise UserError("file", f"an upload takes {', '.join(UPLOAD_FILES)}")
     rec = await _upload(g, upload_id, None)
-    if rec.get("tinker_path"):
-        raise NotFound("upload_id", f"upload {upload_id!r} is finished ({rec['tinker_path']})")
+    if rec.tinker_path:
+        raise NotFound("upload_id", f"upload {upload_id!r} is finished ({rec.tinker_path})")
     body = await request.body()
     await asyncio.to_thread(g.storage._put_internal, _staged_key(upload_id, file), body)
     return {"upload_id": upload_id, "file": file, "size_bytes": len(body)}
@@ -166,8 +166,8 @@ async def external_weights_upload_finish(req: wire.ExternalWeightsUploadFinishRe
             ``lora_config`` / the base model (400 naming the file, tensor or field).
     """
     rec = await _upload(g, req.upload_id, caller.owner)
-    if rec.get("tinker_path"):
-        return {"tinker_path": rec["tinker_path"]}
+    if rec.tinker_path:
+        return {"tinker_path": rec.tinker_path}
     who = caller.owner
     with tempfile.TemporaryDirectory(prefix="openrl-import-") as tmp:
         d = Path(tmp)
@@ -176,19 +176,19 @@ async def external_weights_upload_finish(req: wire.ExternalWeightsUploadFinishRe
             if data is None:
                 raise UserError(f, f"not uploaded: PUT it to its URL from external_weights_upload_start first")
             (d / f).write_bytes(data)
-        entry = g.registry.resolve(rec["base_model"])
-        lora = await asyncio.to_thread(check_peft_adapter, Path(entry.path), d, rec["lora_config"])
-        lora["seed"] = rec["lora_config"].get("seed")
+        entry = g.registry.resolve(rec.base_model)
+        lora = await asyncio.to_thread(check_peft_adapter, Path(entry.path), d, rec.lora_config.stored())
+        lora["seed"] = rec.lora_config.seed
         session_id = uuid.uuid4().hex[:20]
         await g.bus.meta_put(Session.make(
             session_id=session_id, owner=who, tags=["external_weights_upload"], user_metadata={},
-            display_name=None, project_id=rec.get("destination_project_id"), sdk_version=None,
+            display_name=None, project_id=rec.destination_project_id, sdk_version=None,
             created=now_iso(), last_heartbeat=now_iso(), status="finished", finish_reason="success",
             training_run_ids=[], sampler_ids=[],
         ), "session", session_id)
         model_id = model_id_for(session_id, 0)
         run = TrainingRun.make(
-            model_id=model_id, session_id=session_id, owner=who, base_model=rec["base_model"], lora_config=lora,
+            model_id=model_id, session_id=session_id, owner=who, base_model=rec.base_model, lora_config=lora,
             optimizer_config=None, tokenizer_id=entry.tokenizer_id, shard=g.shard_of(model_id),
             created=now_iso(), last_request_time=now_iso(), user_metadata={}, frozen=True,
             copy_of=f"upload:{req.upload_id}",
@@ -197,11 +197,13 @@ async def external_weights_upload_finish(req: wire.ExternalWeightsUploadFinishRe
         await add_to_session(g, session_id, "training_run_ids", model_id)
         path = TinkerPath(model_id, "external_weights", IMPORTED_NAME)
         manifest = build_manifest(d, path, owner=who, ttl_seconds=None, extra={
-            "base_model": rec["base_model"], "lora_config": lora, "imported_from": f"upload:{req.upload_id}"})
+            "base_model": rec.base_model, "lora_config": lora, "imported_from": f"upload:{req.upload_id}"})
         await asyncio.to_thread(g.storage.put_dir, path, d, manifest)
 
-    def done(old):
-        return {**(old or rec), "tinker_path": str(path), "finished": now_iso()}
+    def done(old: dict | None) -> dict:
+        cur = Upload.load(old) if old else rec.model_copy(deep=True)
+        cur.tinker_path, cur.finished = str(path), now_iso()
+        return cur.stored()
 
     await g.bus.meta_update(done, "upload", req.upload_id)
     for f in UPLOAD_FILES:
@@ -215,9 +217,9 @@ async def external_weights_upload_finish(req: wire.ExternalWeightsUploadFinishRe
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
-def _us(m: dict) -> int:
+def _us(m: CheckpointManifest) -> int:
     """A manifest's creation time in whole microseconds (the cursor's resolution)."""
-    return int(round(float(m.get("created_unix") or 0) * 1_000_000))
+    return int(round(float(m.created_unix or 0) * 1_000_000))
 
 
 def _iso(us: int) -> str:
@@ -248,27 +250,27 @@ async def search_checkpoints(req: wire.CheckpointSearchRequest, g: GatewayDep, c
     if own != "own" and not caller.admin:
         raise NotSupported("owner", "searching other owners' checkpoints needs an admin key")
     who = caller.owner if own == "own" else None
-    runs = [r for r in await g.bus.meta_list("model") if who is None or r.get("owner") == who]
+    runs = await g.runs(who)
     if req.base_models is not None:
-        runs = [r for r in runs if r.get("base_model") in set(req.base_models)]
+        runs = [r for r in runs if r.base_model in set(req.base_models)]
     if req.project_ids is not None:
-        projects = {s["session_id"]: s.get("project_id") or "default" for s in await g.bus.meta_list("session")}
-        runs = [r for r in runs if projects.get(r.get("session_id"), "default") in set(req.project_ids)]
+        projects = {s.session_id: s.project_id or "default" for s in await g.sessions()}
+        runs = [r for r in runs if projects.get(r.session_id, "default") in set(req.project_ids)]
     found = []
     for r in runs:
-        for m in await _run_checkpoints(g, r["model_id"], who):
-            if req.checkpoint_type is not None and m["checkpoint_type"] != req.checkpoint_type:
+        for m in await _run_checkpoints(g, r.model_id, who):
+            if req.checkpoint_type is not None and m.checkpoint_type != req.checkpoint_type:
                 continue
-            meta = m.get("user_metadata") or {}
+            meta = m.user_metadata or {}
             if any(str(meta.get(k)) != str(v) or k not in meta for k, v in (req.user_metadata or {}).items()):
                 continue
             found.append(m)
-    found.sort(key=lambda m: (_us(m), m["tinker_path"]), reverse=True)
+    found.sort(key=lambda m: (_us(m), m.tinker_path), reverse=True)
     if req.cursor is not None:
         last = (_cursor_us(req.cursor.last_created_at, "cursor.last_created_at"), req.cursor.last_checkpoint_uuid)
-        found = [m for m in found if (_us(m), m["tinker_path"]) < last]
+        found = [m for m in found if (_us(m), m.tinker_path) < last]
     page = found[: req.limit]
     nxt = None
     if len(found) > req.limit:
-        nxt = {"last_created_at": _iso(_us(page[-1])), "last_checkpoint_uuid": page[-1]["tinker_path"]}
+        nxt = {"last_created_at": _iso(_us(page[-1])), "last_checkpoint_uuid": page[-1].tinker_path}
     return {"checkpoints": [checkpoint_json(m) for m in page], "next_cursor": nxt}

@@ -331,16 +331,15 @@ async def list_models(g: GatewayDep, caller: OpenAICallerDep) -> dict:
     now = int(time.time())
     data = [{"id": e.name, "object": "model", "created": now, "owned_by": "openrl", "root": e.name,
              "max_model_len": e.max_context_length} for e in g.registry.entries() if e.sampleable]
-    runs = [r for r in await g.bus.meta_list("model") if r.get("owner") == caller.owner]
     snaps = []
-    for r in runs:
-        for m in await _run_checkpoints(g, r["model_id"], caller.owner):
-            if m["checkpoint_type"] == "sampler":
-                snaps.append((m.get("created_unix", 0), m, r))
+    for r in await g.runs(caller.owner):
+        for m in await _run_checkpoints(g, r.model_id, caller.owner):
+            if m.checkpoint_type == "sampler":
+                snaps.append((m.created_unix or 0, m, r))
     snaps.sort(key=lambda x: x[0], reverse=True)
     for created, m, r in snaps:
-        data.append({"id": m["tinker_path"], "object": "model", "created": int(created or now),
-                     "owned_by": caller.owner, "root": r["base_model"], "parent": r["base_model"]})
+        data.append({"id": m.tinker_path, "object": "model", "created": int(created or now),
+                     "owned_by": caller.owner, "root": r.base_model, "parent": r.base_model})
     return {"object": "list", "data": data}
 
 

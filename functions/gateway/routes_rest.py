@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from functions.gateway.context import Gateway
 from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, OwnedRunDep, ScopeDep, WireRoute
 from functions.gateway.runs import readable_manifest
+from openrl.contract.records import CheckpointManifest, LoraConfig, Session, TrainingRun
 from openrl.edge import wire
 from openrl.errors import NotFound, UserError
 from openrl.storage import KINDS, TinkerPath
@@ -36,49 +37,48 @@ def str_metadata(meta: dict | None) -> dict[str, str] | None:
     return {str(k): v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in meta.items()}
 
 
-def checkpoint_json(m: dict) -> dict:
+def checkpoint_json(m: CheckpointManifest) -> dict:
     """A storage manifest as the SDK's ``Checkpoint`` type."""
-    exp = m.get("expires_unix")
+    exp = m.expires_unix
     return {
-        "checkpoint_id": m["checkpoint_id"],
-        "checkpoint_type": m["checkpoint_type"],
-        "time": m["time"],
-        "tinker_path": m["tinker_path"],
-        "size_bytes": m.get("size_bytes"),
-        "public": bool(m.get("public")),
-        "user_metadata": str_metadata(m.get("user_metadata")),
+        "checkpoint_id": m.checkpoint_id,
+        "checkpoint_type": m.checkpoint_type,
+        "time": m.time,
+        "tinker_path": m.tinker_path,
+        "size_bytes": m.size_bytes,
+        "public": bool(m.public),
+        "user_metadata": str_metadata(m.user_metadata),
         "expires_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(exp)) if exp else None,
     }
 
 
-def _live(m: dict) -> bool:
-    exp = m.get("expires_unix")
+def _live(m: CheckpointManifest) -> bool:
+    exp = m.expires_unix
     return not exp or exp > time.time()
 
 
-async def _run_checkpoints(g, run_id: str, who: str | None) -> list[dict]:
+async def _run_checkpoints(g: Gateway, run_id: str, who: str | None) -> list[CheckpointManifest]:
     """Live checkpoints of a run owned by ``who`` (None: any owner; admin listings), newest first."""
-    ms = await asyncio.to_thread(g.storage.list_run, run_id)
-    ms = [m for m in ms if (who is None or m.get("owner") == who) and _live(m)]
-    ms.sort(key=lambda m: m.get("created_unix", 0), reverse=True)
+    ms = [m for m in await g.run_manifests(run_id) if (who is None or m.owner == who) and _live(m)]
+    ms.sort(key=lambda m: m.created_unix or 0, reverse=True)
     return ms
 
 
-def training_run_json(rec: dict, ckpts: list[dict]) -> dict:
+def training_run_json(rec: TrainingRun, ckpts: list[CheckpointManifest]) -> dict:
     """A training-run record as the SDK's ``TrainingRun`` type."""
-    last = next((checkpoint_json(m) for m in ckpts if m["checkpoint_type"] == "training"), None)
-    last_s = next((checkpoint_json(m) for m in ckpts if m["checkpoint_type"] == "sampler"), None)
+    last = next((checkpoint_json(m) for m in ckpts if m.checkpoint_type == "training"), None)
+    last_s = next((checkpoint_json(m) for m in ckpts if m.checkpoint_type == "sampler"), None)
     return {
-        "training_run_id": rec["model_id"],
-        "base_model": rec["base_model"],
-        "model_owner": rec["owner"],
+        "training_run_id": rec.model_id,
+        "base_model": rec.base_model,
+        "model_owner": rec.owner,
         "is_lora": True,
         "corrupted": False,
-        "lora_rank": (rec.get("lora_config") or {}).get("rank"),
-        "last_request_time": rec.get("last_request_time") or rec.get("created"),
+        "lora_rank": rec.lora_config.rank,
+        "last_request_time": rec.last_request_time or rec.created,
         "last_checkpoint": last,
         "last_sampler_checkpoint": last_s,
-        "user_metadata": str_metadata(rec.get("user_metadata")),
+        "user_metadata": str_metadata(rec.user_metadata),
     }
 
 
@@ -86,17 +86,17 @@ def training_run_json(rec: dict, ckpts: list[dict]) -> dict:
 async def weights_info(req: wire.WeightsInfoRequest, g: GatewayDep, caller: CallerDep) -> dict:
     """``RestClient.get_weights_info_by_tinker_path``: base model and LoRA shape of a readable checkpoint."""
     m = await readable_manifest(g, TinkerPath.parse(req.tinker_path, field="tinker_path"), caller.owner, "tinker_path")
-    lora = m.get("lora_config") or {}
+    lora = m.lora_config or LoraConfig()
     out = {
-        "base_model": m.get("base_model"),
+        "base_model": m.base_model,
         "is_lora": True,
-        "lora_rank": lora.get("rank"),
-        "train_unembed": lora.get("train_unembed"),
-        "train_mlp": lora.get("train_mlp"),
-        "train_attn": lora.get("train_attn"),
+        "lora_rank": lora.rank,
+        "train_unembed": lora.train_unembed,
+        "train_mlp": lora.train_mlp,
+        "train_attn": lora.train_attn,
     }
-    if m.get("optimizer_config") is not None:  # else the model's default (adamw)
-        out["optimizer_config"] = m["optimizer_config"]
+    if m.optimizer_config is not None:  # else the model's default (adamw)
+        out["optimizer_config"] = m.optimizer_config
     return out
 
 
@@ -105,13 +105,13 @@ async def list_training_runs(g: GatewayDep, who: ScopeDep, limit: int = 20, offs
                              project_id: str | None = None) -> dict:
     """Newest first; ``project_id`` keeps the runs of sessions in that project (see
     :func:`assign_session_project`)."""
-    recs = [r for r in await g.bus.meta_list("model") if who is None or r.get("owner") == who]
+    recs = await g.runs(who)
     if project_id is not None:
-        in_project = {r["session_id"] for r in await g.bus.meta_list("session") if r.get("project_id") == project_id}
-        recs = [r for r in recs if r.get("session_id") in in_project]
-    recs.sort(key=lambda r: r.get("created", ""), reverse=True)
+        in_project = {r.session_id for r in await g.sessions() if r.project_id == project_id}
+        recs = [r for r in recs if r.session_id in in_project]
+    recs.sort(key=lambda r: r.created, reverse=True)
     page = recs[offset : offset + limit]
-    runs = [training_run_json(r, await _run_checkpoints(g, r["model_id"], who)) for r in page]
+    runs = [training_run_json(r, await _run_checkpoints(g, r.model_id, who)) for r in page]
     return {"training_runs": runs, "cursor": {"offset": offset, "limit": limit, "total_count": len(recs)}}
 
 
@@ -130,11 +130,10 @@ async def list_checkpoints(run_id: str, run: OwnedRunDep, g: GatewayDep, who: Sc
 @router.get("/checkpoints", response_model=wire.CheckpointsListResponse)
 async def list_user_checkpoints(g: GatewayDep, who: ScopeDep, limit: int = 100, offset: int = 0) -> dict:
     """The live checkpoints of all the caller's runs (every owner's for an admin listing all), newest first; paged."""
-    recs = [r for r in await g.bus.meta_list("model") if who is None or r.get("owner") == who]
-    allm: list[dict] = []
-    for r in recs:
-        allm.extend(await _run_checkpoints(g, r["model_id"], who))
-    allm.sort(key=lambda m: m.get("created_unix", 0), reverse=True)
+    allm: list[CheckpointManifest] = []
+    for r in await g.runs(who):
+        allm.extend(await _run_checkpoints(g, r.model_id, who))
+    allm.sort(key=lambda m: m.created_unix or 0, reverse=True)
     page = allm[offset : offset + limit]
     return {"checkpoints": [checkpoint_json(m) for m in page],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(allm)}}
@@ -149,7 +148,7 @@ def bare_checkpoint_id(checkpoint_id: str) -> UserError:
                                       f"(one of {kinds}), the tail of tinker://<run>/<kind>/<name>")
 
 
-async def _checkpoint(g: Gateway, owner: str, run_id: str, checkpoint_id: str) -> tuple[TinkerPath, dict]:
+async def _checkpoint(g: Gateway, owner: str, run_id: str, checkpoint_id: str) -> tuple[TinkerPath, CheckpointManifest]:
     """``owner``'s live checkpoint ``<kind>/<name>`` of run ``run_id`` (path + manifest).
 
     Raises:
@@ -159,8 +158,8 @@ async def _checkpoint(g: Gateway, owner: str, run_id: str, checkpoint_id: str) -
     if checkpoint_id.split("/")[0] not in KINDS:
         raise bare_checkpoint_id(checkpoint_id)
     path = TinkerPath.parse(f"tinker://{run_id}/{checkpoint_id}", field="checkpoint_id")
-    m = await asyncio.to_thread(g.storage.manifest, path)
-    if m is None or m.get("owner") != owner or not _live(m):
+    m = await g.manifest(path)
+    if m is None or m.owner != owner or not _live(m):
         raise NotFound("checkpoint_id", f"no checkpoint {checkpoint_id!r} in training run {run_id!r}")
     return path, m
 
@@ -183,10 +182,10 @@ async def _set_public(g: Gateway, owner: str, run_id: str, checkpoint_id: str, p
     """Publish / unpublish. Already in that state: 400 (hosted Tinker answers 409, which the SDK
     would retry for 5 minutes before failing)."""
     path, m = await _checkpoint(g, owner, run_id, checkpoint_id)
-    if bool(m.get("public")) == public:
+    if bool(m.public) == public:
         raise UserError("checkpoint_id", f"checkpoint is already {'public' if public else 'private'}")
-    m["public"] = public
-    await asyncio.to_thread(g.storage.write_manifest, path, m)
+    m.public = public
+    await asyncio.to_thread(g.storage.write_manifest, path, m.stored())
     return {"public": public}
 
 
@@ -206,9 +205,9 @@ async def unpublish(run_id: str, kind: str, name: str, g: GatewayDep, caller: Ca
 async def set_ttl(run_id: str, kind: str, name: str, req: wire.TtlRequest, g: GatewayDep, caller: CallerDep) -> dict:
     """Set (``ttl_seconds``, counted from now) or clear (null) a checkpoint's expiry."""
     path, m = await _checkpoint(g, caller.owner, run_id, f"{kind}/{name}")
-    m["ttl_seconds"] = req.ttl_seconds
-    m["expires_unix"] = (time.time() + req.ttl_seconds) if req.ttl_seconds else None
-    await asyncio.to_thread(g.storage.write_manifest, path, m)
+    m.ttl_seconds = req.ttl_seconds
+    m.expires_unix = (time.time() + req.ttl_seconds) if req.ttl_seconds else None
+    await asyncio.to_thread(g.storage.write_manifest, path, m.stored())
     return {"ttl_seconds": req.ttl_seconds}
 
 
@@ -255,9 +254,9 @@ async def bare_checkpoint_action(run_id: str, checkpoint_id: str, action: str, r
 @router.get("/sessions", response_model=wire.ListSessionsResponse)
 async def list_sessions(g: GatewayDep, who: ScopeDep, limit: int = 20, offset: int = 0) -> dict:
     """Session ids of the caller (every owner's for an admin listing all), newest first; paged."""
-    recs = [r for r in await g.bus.meta_list("session") if who is None or r.get("owner") == who]
-    recs.sort(key=lambda r: r.get("created", ""), reverse=True)
-    return {"sessions": [r["session_id"] for r in recs[offset : offset + limit]]}
+    recs = await g.sessions(who)
+    recs.sort(key=lambda r: r.created, reverse=True)
+    return {"sessions": [r.session_id for r in recs[offset : offset + limit]]}
 
 
 @router.get("/sessions/{session_id}", response_model=wire.GetSessionResponse)
@@ -265,10 +264,10 @@ async def get_session(session_id: str, g: GatewayDep, caller: CallerDep) -> dict
     """A session of the caller: its training runs, sampling sessions and metadata."""
     rec = await g.session(session_id, caller.owner)
     return {
-        "training_run_ids": rec.get("training_run_ids", []),
-        "sampler_ids": rec.get("sampler_ids", []),
-        "user_metadata": str_metadata(rec.get("user_metadata")),
-        "display_name": rec.get("display_name"),
+        "training_run_ids": rec.training_run_ids,
+        "sampler_ids": rec.sampler_ids,
+        "user_metadata": str_metadata(rec.user_metadata),
+        "display_name": rec.display_name,
     }
 
 
@@ -285,19 +284,17 @@ async def assign_session_project(session_id: str, req: wire.SetSessionProjectReq
     if not req.project_id:
         raise UserError("project_id", "required")
 
-    def upd(old):
-        old = dict(old or {})
-        old["project_id"] = req.project_id
-        return old
+    def upd(rec: Session) -> None:
+        rec.project_id = req.project_id
 
-    await g.bus.meta_update(upd, "session", session_id)
+    await g.update_session(session_id, upd)
     return {"session_id": session_id, "project_id": req.project_id}
 
 
-def _session_status(rec: dict) -> dict:
+def _session_status(rec: Session) -> dict:
     """A session record's status as the SDK's ``SessionStatus`` union."""
-    if rec.get("status") == "finished":
-        return {"type": "client_finished", "reason": {"type": rec.get("finish_reason") or "success"}}
+    if rec.status == "finished":
+        return {"type": "client_finished", "reason": {"type": rec.finish_reason or "success"}}
     return {"type": "active"}
 
 
@@ -317,38 +314,38 @@ async def search_sessions(g: GatewayDep, caller: CallerDep, req: wire.SessionSea
     own = (body.get("owner") or {}).get("type", "own")
     if own != "own" and not caller.admin:
         raise NotSupported("owner", "searching other owners' sessions needs an admin key")
-    recs = [r for r in await g.bus.meta_list("session") if own != "own" or r.get("owner") == who]
+    recs = await g.sessions(who if own == "own" else None)
     sid, name = body.get("session_id"), body.get("display_name")
     if sid is not None or name:
         words = (name or "").lower().split()
-        recs = [r for r in recs if (sid is not None and r["session_id"] == sid)
-                or (words and all(w in (r.get("display_name") or "").lower() for w in words))]
+        recs = [r for r in recs if (sid is not None and r.session_id == sid)
+                or (words and all(w in (r.display_name or "").lower() for w in words))]
     if body.get("project_ids") is not None:
-        recs = [r for r in recs if (r.get("project_id") or "default") in body["project_ids"]]
+        recs = [r for r in recs if (r.project_id or "default") in body["project_ids"]]
     for k, v in (str_metadata(body.get("user_metadata")) or {}).items():
-        recs = [r for r in recs if (str_metadata(r.get("user_metadata")) or {}).get(k) == v]
+        recs = [r for r in recs if (str_metadata(r.user_metadata) or {}).get(k) == v]
     if body.get("statuses"):
         kinds = {q.get("type") for q in body["statuses"]}
         recs = [r for r in recs if _session_status(r)["type"] in kinds]
-    recs.sort(key=lambda r: (r.get("created", ""), r["session_id"]), reverse=True)
+    recs.sort(key=lambda r: (r.created, r.session_id), reverse=True)
     cur = body.get("cursor")
     if cur:
         last = (str(cur.get("last_created_at", "")).replace("+00:00", "Z"), cur.get("last_session_id", ""))
-        recs = [r for r in recs if (r.get("created", ""), r["session_id"]) < last]
+        recs = [r for r in recs if (r.created, r.session_id) < last]
     limit = max(1, min(200, int(body.get("limit") or 50)))
     page = recs[:limit]
     out = []
     for r in page:
         n = 0
-        for run_id in r.get("training_run_ids", []):
-            n += len(await _run_checkpoints(g, run_id, r.get("owner")))
-        out.append({"session_id": r["session_id"], "created_at": r.get("created"), "owner": r.get("owner"),
-                    "project_id": r.get("project_id") or "default", "status": _session_status(r),
-                    "checkpoints_count": n, "display_name": r.get("display_name"),
-                    "user_metadata": str_metadata(r.get("user_metadata"))})
+        for run_id in r.training_run_ids:
+            n += len(await _run_checkpoints(g, run_id, r.owner))
+        out.append({"session_id": r.session_id, "created_at": r.created, "owner": r.owner,
+                    "project_id": r.project_id or "default", "status": _session_status(r),
+                    "checkpoints_count": n, "display_name": r.display_name,
+                    "user_metadata": str_metadata(r.user_metadata)})
     nxt = None
     if len(recs) > limit:
-        nxt = {"last_created_at": page[-1].get("created"), "last_session_id": page[-1]["session_id"]}
+        nxt = {"last_created_at": page[-1].created, "last_session_id": page[-1].session_id}
     return {"sessions": out, "next_cursor": nxt}
 
 

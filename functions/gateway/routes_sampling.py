@@ -46,9 +46,9 @@ async def create_sampling_session(req: wire.CreateSamplingSessionRequest, g: Gat
 async def get_sampler(sampler_id: str, g: GatewayDep, caller: CallerDep) -> dict:
     """``RestClient.get_sampler``: base model and snapshot path of one of the caller's sampling sessions."""
     rec = await g.sampler(sampler_id, caller.owner)
-    out = {"sampler_id": rec["sampler_id"], "base_model": rec["base_model"]}
-    if rec.get("model_path"):
-        out["model_path"] = rec["model_path"]
+    out = {"sampler_id": rec.sampler_id, "base_model": rec.base_model}
+    if rec.model_path:
+        out["model_path"] = rec.model_path
     return out
 
 
@@ -73,7 +73,7 @@ async def asample(req: wire.SampleRequest, g: GatewayDep, caller: CallerDep, res
     if sid is not None:
         rec = await g.sampler(sid, caller.owner)
         require(req.seq_id is not None and 0 <= req.seq_id < 2**63, "seq_id", "required, between 0 and 2^63-1")
-        target = SampleTarget(rec["base_model"], rec.get("model_path"))
+        target = SampleTarget(rec.base_model, rec.model_path)
         rid, subject = f"{sid}:{req.seq_id}", sid
     else:
         require(req.base_model is not None or req.model_path is not None, "sampling_session_id",

@@ -8,7 +8,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, WireRoute
-from openrl.config import Settings
 from openrl.contract.records import Session
 from openrl.edge import wire
 from openrl.errors import Gone, UserError
@@ -30,7 +29,7 @@ async def client_config(g: GatewayDep) -> dict:
         "fwdbwd_max_chunk_bytes_count": min(5_000_000, g.body_limit() // 2),
         # OPENRL_PROTO_COMPRESS=1: the SDK zstd-compresses forward_backward bodies
         # (Content-Encoding: zstd; the gateway decompresses them, capped at the body limit)
-        "proto_compress_fwdbwd": Settings().proto_compress,
+        "proto_compress_fwdbwd": s.proto_compress,
         "sample_use_retrieve_futures": False,
         "sample_join_sampling_session": False,
         "custom_loss_server_side": False,
@@ -72,16 +71,14 @@ async def create_session(req: wire.CreateSessionRequest, g: GatewayDep, caller: 
 @router.post("/session_heartbeat", response_model=wire.SessionHeartbeatResponse)
 async def session_heartbeat(req: wire.SessionHeartbeatRequest, g: GatewayDep, caller: CallerDep):
     """Keep a session alive; 410 once it is over (or not the caller's), which stops the SDK's heartbeat."""
-    rec = await g.bus.meta_get("session", req.session_id)
-    if rec is None or rec.get("owner") != caller.owner or rec.get("status") != "active":
+    rec = await g.session_record(req.session_id)
+    if rec is None or rec.owner != caller.owner or rec.status != "active":
         raise Gone("session_id", f"session {req.session_id!r} is over or unknown; create a new session")
 
-    def beat(old):  # compare-and-set: never undo a concurrent finish or training_run_ids append
-        old = dict(old or {})
-        old["last_heartbeat"] = now_iso()
-        return old
+    def beat(rec: Session) -> None:  # compare-and-set: never undo a concurrent finish or training_run_ids append
+        rec.last_heartbeat = now_iso()
 
-    await g.bus.meta_update(beat, "session", req.session_id)
+    await g.update_session(req.session_id, beat)
     return {"type": "session_heartbeat"}
 
 
@@ -100,13 +97,11 @@ async def finish_session(session_id: str, request: Request, g: GatewayDep, calle
     if not isinstance(body, dict) or not isinstance(reason or {}, dict) \
             or not isinstance((reason or {}).get("type") or "", str):
         raise UserError("reason", 'expected {"reason": {"type": "<string>"}} or no body')
-    def finish(old):  # compare-and-set, like the heartbeat
-        old = dict(old or rec)
-        old["status"] = "finished"
-        old["finish_reason"] = (body.get("reason") or {}).get("type")
-        return old
+    def finish(cur: Session) -> None:  # compare-and-set, like the heartbeat
+        cur.status = "finished"
+        cur.finish_reason = (body.get("reason") or {}).get("type")
 
-    await g.bus.meta_update(finish, "session", session_id)
+    await g.update_session(session_id, finish, missing=rec)
     return {"status": "finished"}
 
 

@@ -37,6 +37,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import Response
 
 from functions.gateway.deps import API_PREFIX, GatewayDep
+from openrl.contract.records import WorkerRecord
 from openrl.observe import metrics
 from openrl.transport.bus import now_iso
 
@@ -69,7 +70,7 @@ async def build_status(bus) -> dict:
 
     streams = await metrics.refresh_queue_gauges(bus)
     try:
-        records = await worker_records(bus)
+        records = {k: WorkerRecord.load(v) for k, v in (await worker_records(bus)).items()}
     except Exception:  # noqa: BLE001 - the records are extra information: never fail the status for them
         log.warning("could not read the worker records", exc_info=True)
         records = {}
@@ -77,10 +78,10 @@ async def build_status(bus) -> dict:
     for s in streams:
         for c in s["consumers"]:
             fn, shard = function_of_consumer(c["consumer"])
-            rec = records.get((fn, shard)) or {}
+            rec = records.get((fn, shard)) or WorkerRecord.model_construct()
             workers.append({"function": fn, "shard": shard, "stream": s["stream"], **c,
-                            "device": rec.get("device"), "dtype": rec.get("dtype"), "backend": rec.get("backend"),
-                            "models_failed": rec.get("models_failed"), "details": rec.get("details")})
+                            "device": rec.device, "dtype": rec.dtype, "backend": rec.backend,
+                            "models_failed": rec.models_failed, "details": rec.details})
     return {
         "gateway": {"time": now_iso(), "futures_in_flight": len(metrics.FUTURES)},
         "queues": [{"stream": s["stream"], "messages": s["messages"], "bytes": s["bytes"]} for s in streams],

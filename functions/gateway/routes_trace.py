@@ -38,7 +38,7 @@ public = APIRouter()  # the signed URL carries no key
 async def export_session_trace(session_id: str, request: Request, g: GatewayDep, caller: CallerDep) -> dict:
     """The signed URL of the session's trace (404 for an unknown or another key's session)."""
     await g.session(session_id, caller.owner)
-    expires = int(time.time()) + url_ttl_s()
+    expires = int(time.time()) + url_ttl_s(request)
     sig = sign(await _secret(request), f"trace/{session_id}", expires)
     url = f"{_public_base(request)}/download-trace/{session_id}.json?expires={expires}&sig={sig}"
     return {"status": "ready", "url": url}
@@ -51,12 +51,12 @@ async def download_trace(session_id: str, request: Request, g: GatewayDep, expir
     if not hmac.compare_digest(good, sig) or expires < time.time():
         return _forbidden("bad or expired trace URL: ask export_session_trace for a new one")
     bus = g.bus
-    rec = await bus.meta_get("session", session_id)
+    rec = await g.session_record(session_id)
     if rec is None:
         raise NotFound("session_id", f"unknown session {session_id!r}")
     futures = await session_futures(bus, session_id)
     return JSONResponse({"traceEvents": trace_events(futures, now=time.time()), "displayTimeUnit": "ms",
-                         "otherData": {"session_id": session_id, "project_id": rec.get("project_id") or "default"}})
+                         "otherData": {"session_id": session_id, "project_id": rec.project_id or "default"}})
 
 
 async def session_futures(bus: Bus, session_id: str) -> list[tuple[str, FutureRecord]]:
@@ -89,18 +89,18 @@ def trace_events(futures: list[tuple[str, FutureRecord]], *, now: float) -> list
     """Chrome trace events (``ph`` ``M`` names, ``X`` complete slices; ``ts``/``dur`` in µs).
 
     Args:
-        futures: (request id, record) pairs; records without ``meta["t0"]`` (stored before
+        futures: (request id, record) pairs; records without ``meta.t0`` (stored before
             timings were kept) are left out.
         now: unix seconds; the end of a pending request's slice.
     """
     tracks: dict[str, list[tuple[float, float, float | None, str, FutureRecord]]] = {}
     for rid, rec in futures:
-        meta = rec.meta or {}
-        if "t0" not in meta:
+        meta = rec.info
+        if meta.t0 is None:
             continue
-        t0 = float(meta["t0"])
-        t1 = float(meta.get("t1") or now) if rec.state != "pending" else now
-        ts = meta.get("ts")
+        t0 = float(meta.t0)
+        t1 = float(meta.t1 or now) if rec.state != "pending" else now
+        ts = meta.ts
         track, _ = _track(rid)
         tracks.setdefault(track, []).append((t0, max(t1, t0), float(ts) if ts else None, rid, rec))
     out: list[dict] = []

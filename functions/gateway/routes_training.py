@@ -21,7 +21,7 @@ from functions.gateway.fwdbwd import ForwardBackwardDep, validate_datums
 from functions.gateway.runs import checkpoint_path, check_optimizer, new_run, readable_manifest, refuse_frozen
 from functions.gateway.skips import MAX_SEQ_ID, SkipRejected, request_id_for
 from openrl.contract import payloads
-from openrl.contract.records import SamplerSession
+from openrl.contract.records import SamplerSession, TrainingRun
 from openrl.edge import wire
 from openrl.errors import NotSupported
 from openrl.storage import TinkerPath
@@ -31,17 +31,17 @@ router = APIRouter(prefix=API_PREFIX, route_class=SkipRejected)
 FUTURE = wire.UntypedAPIFuture
 
 
-async def enqueue(g: Gateway, run: dict, op: str, seq_id: int, data: dict | bytes, tokens: int = 0) -> dict:
+async def enqueue(g: Gateway, run: TrainingRun, op: str, seq_id: int, data: dict | bytes, tokens: int = 0) -> dict:
     """Publish request ``seq_id`` of ``run``: backpressure and the key's quotas (429, not skipped:
     the SDK resends; ``tokens``: the request's, for ``tokens_per_min``), the pending future, the
     event. Returns the future handle ``{request_id, model_id}``."""
-    rid = request_id_for(run["model_id"], seq_id)
-    await g.admit(TRAIN_STREAM, rid, owner=run["owner"], op=op, tokens=tokens)
-    await g.submit(op, rid, run["model_id"], data, model=run, future_meta={"owner": run["owner"]})
-    return {"request_id": rid, "model_id": run["model_id"]}
+    rid = request_id_for(run.model_id, seq_id)
+    await g.admit(TRAIN_STREAM, rid, owner=run.owner, op=op, tokens=tokens)
+    await g.submit(op, rid, run.model_id, data, shard=run.shard, future_meta={"owner": run.owner})
+    return {"request_id": rid, "model_id": run.model_id}
 
 
-async def sequenced(g: Gateway, run: dict, op: str, seq_id: int | None, data: dict) -> dict:
+async def sequenced(g: Gateway, run: TrainingRun, op: str, seq_id: int | None, data: dict) -> dict:
     """Publish JSON training request ``seq_id`` of ``run``: ``data`` plus the run and seq_id,
     as the op's :mod:`openrl.contract.payloads` model.
 
@@ -50,7 +50,7 @@ async def sequenced(g: Gateway, run: dict, op: str, seq_id: int | None, data: di
     """
     require(seq_id is not None and 1 <= seq_id <= MAX_SEQ_ID, "seq_id", f"must be between 1 and {MAX_SEQ_ID}")
     refuse_frozen(run)
-    payload = payloads.PAYLOADS[op].model_validate({"model_id": run["model_id"], "seq_id": seq_id, **data})
+    payload = payloads.PAYLOADS[op].model_validate({"model_id": run.model_id, "seq_id": seq_id, **data})
     return await enqueue(g, run, op, seq_id, payload.to_data())
 
 
@@ -64,11 +64,11 @@ async def create_model(req: wire.CreateModelRequest, g: GatewayDep, caller: Call
     await g.admit_run(caller.owner, f"{req.session_id}:train:{req.model_seq_id}")  # the key's runs quota
     run = await new_run(g, caller.owner, req.session_id, req.model_seq_id, req.base_model, lora,
                         {"optimizer_config": opt, "user_metadata": req.user_metadata or {}})
-    data = payloads.CreateModel(model_id=run["model_id"], base_model=run["base_model"], lora_config=lora,
+    data = payloads.CreateModel(model_id=run.model_id, base_model=run.base_model, lora_config=lora,
                                 optimizer_config=opt).to_data()
-    rid = request_id_for(run["model_id"], 0)
-    await g.submit("create_model", rid, run["model_id"], data, model=run, future_meta={"owner": run["owner"]})
-    return {"request_id": rid, "model_id": run["model_id"]}
+    rid = request_id_for(run.model_id, 0)
+    await g.submit("create_model", rid, run.model_id, data, shard=run.shard, future_meta={"owner": run.owner})
+    return {"request_id": rid, "model_id": run.model_id}
 
 
 @router.post("/get_info", response_model=wire.GetInfoResponse)
@@ -77,14 +77,14 @@ async def get_info(req: wire.GetInfoRequest, g: GatewayDep, caller: CallerDep) -
     run = await g.model(req.model_id, caller.owner)
     out = {
         "type": "get_info",
-        "model_id": run["model_id"],
-        "model_data": {"arch": "qwen3", "model_name": run["base_model"], "tokenizer_id": run["tokenizer_id"]},
+        "model_id": run.model_id,
+        "model_data": {"arch": "qwen3", "model_name": run.base_model, "tokenizer_id": run.tokenizer_id},
         "is_lora": True,
-        "lora_rank": (run.get("lora_config") or {}).get("rank"),
-        "model_name": run["base_model"],
+        "lora_rank": run.lora_config.rank,
+        "model_name": run.base_model,
     }
-    if run.get("optimizer_config") is not None:  # else the model's default (adamw)
-        out["optimizer_config"] = run["optimizer_config"]
+    if run.optimizer_config is not None:  # else the model's default (adamw)
+        out["optimizer_config"] = run.optimizer_config
     return out
 
 
@@ -97,8 +97,8 @@ async def forward_backward(body: ForwardBackwardDep, g: GatewayDep, caller: Call
     run = await g.model(fb.model_id, caller.owner)
     require(fb.seq_id >= 1, "seq_id", "must be >= 1")
     refuse_frozen(run)
-    base = g.registry.resolve(run["base_model"])
-    validate_datums(fb, g.vocab_size(run["base_model"]), base.max_context_length)
+    base = g.registry.resolve(run.base_model)
+    validate_datums(fb, g.vocab_size(run.base_model), base.max_context_length)
     return await enqueue(g, run, "forward" if fb.forward_only else "forward_backward", fb.seq_id, body.data,
                          tokens=sum(len(d.tokens) for d in fb.data))
 
@@ -133,11 +133,11 @@ async def save_weights_for_sampler(req: wire.SaveWeightsForSamplerRequest, g: Ga
         data["path"] = checkpoint_path(req.model_id, "sampler_weights", req.path)
         return await sequenced(g, run, "save_weights_for_sampler", req.seq_id, data)
     require(req.sampling_session_seq_id is not None, "sampling_session_seq_id", "required when path is omitted")
-    sid = f"{run['session_id']}:sample:{req.sampling_session_seq_id}"
+    sid = f"{run.session_id}:sample:{req.sampling_session_seq_id}"
     path = checkpoint_path(req.model_id, "sampler_weights", f"s{req.seq_id}-{req.sampling_session_seq_id}")
     data.update(path=path, sampling_session_id=sid)
-    await g.bus.meta_put(SamplerSession.make(sampler_id=sid, owner=run["owner"], base_model=run["base_model"],
-                                             model_path=path, session_id=run["session_id"], created=now_iso()),
+    await g.bus.meta_put(SamplerSession.make(sampler_id=sid, owner=run.owner, base_model=run.base_model,
+                                             model_path=path, session_id=run.session_id, created=now_iso()),
                          "sampler", sid)
     return await sequenced(g, run, "save_weights_for_sampler", req.seq_id, data)
 
@@ -169,18 +169,19 @@ async def load_weights(req: wire.LoadWeightsRequest, g: GatewayDep, caller: Call
         check_optimizer(req.optimizer_config.model_dump())
     require(req.session_id is not None and req.model_seq_id is not None, "session_id",
             "create-via-load needs session_id and model_seq_id")
-    base = req.base_model or manifest.get("base_model")
-    lora = manifest.get("lora_config") or {"rank": manifest.get("lora_rank", 32)}
+    base = req.base_model or manifest.base_model
+    lora = (manifest.lora_config.stored() if manifest.lora_config is not None else {}) or {
+        "rank": 32 if manifest.lora_rank is None else manifest.lora_rank}
     opt = req.optimizer_config.model_dump() if getattr(req, "optimizer_config", None) else (
-        manifest.get("optimizer_config") or {"type": "adamw"})
+        manifest.optimizer_config or {"type": "adamw"})
     await g.admit_run(caller.owner, f"{req.session_id}:train:{req.model_seq_id}")  # the key's runs quota
     run = await new_run(g, caller.owner, req.session_id, req.model_seq_id, base, lora,
                         {"optimizer_config": opt, "user_metadata": req.user_metadata or {}})
-    rid = request_id_for(run["model_id"], 0)
-    data = payloads.LoadWeights(model_id=run["model_id"], base_model=base, lora_config=lora, optimizer_config=opt,
+    rid = request_id_for(run.model_id, 0)
+    data = payloads.LoadWeights(model_id=run.model_id, base_model=base, lora_config=lora, optimizer_config=opt,
                                 path=str(ckpt), optimizer=req.optimizer, create=True, seq_id=0).to_data()
-    await g.submit("load_weights", rid, run["model_id"], data, model=run, future_meta={"owner": caller.owner})
-    return {"request_id": rid, "model_id": run["model_id"]}
+    await g.submit("load_weights", rid, run.model_id, data, shard=run.shard, future_meta={"owner": caller.owner})
+    return {"request_id": rid, "model_id": run.model_id}
 
 
 @router.post("/save_weights_external", response_model=FUTURE)
@@ -210,6 +211,6 @@ async def unload_model(req: wire.UnloadModelRequest, g: GatewayDep, caller: Call
     run = await g.model(req.model_id, caller.owner)
     rid = f"{req.model_id}:unload"
     await g.submit("unload_model", rid, req.model_id, payloads.UnloadModel(model_id=req.model_id, seq_id=None).to_data(),
-                   model=run, future_meta={"owner": run["owner"]})
+                   shard=run.shard, future_meta={"owner": run.owner})
     return {"request_id": rid, "model_id": req.model_id}
 

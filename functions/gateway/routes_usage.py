@@ -50,7 +50,7 @@ async def usage_of(g, who: str | None) -> list[dict]:
     if who is not None:
         owners.add(who)
     else:
-        owners |= {r.get("owner") for r in await g.bus.meta_list("model") if r.get("owner")}
+        owners |= {r.owner for r in await g.runs() if r.owner}
     rows = []
     for o in sorted(owners):
         t = totals.get(o) or {"tokens_trained": 0, "tokens_prefilled": 0, "tokens_sampled": 0,
@@ -76,7 +76,7 @@ async def refresh_gauges(g) -> None:
             KEY_USAGE.labels(o, f"gpu_seconds_{fn}").set(s)
     if time.monotonic() - _stored_cache["t"] > STORED_REFRESH_S:
         _stored_cache["t"] = time.monotonic()
-        owners = set(totals) | {r.get("owner") for r in await g.bus.meta_list("model") if r.get("owner")}
+        owners = set(totals) | {r.owner for r in await g.runs() if r.owner}
         _stored_cache["by"] = {o: await g.quotas.stored_bytes(g.bus, g.storage, o) for o in owners}
     for o, n in _stored_cache["by"].items():
         KEY_USAGE.labels(o, "stored_bytes").set(n)

@@ -7,10 +7,8 @@ its id is fixed by the SDK: ``<session_id>:train:<model_seq_id>``.
 
 from __future__ import annotations
 
-import asyncio
-
 from functions.gateway.context import Gateway
-from openrl.contract.records import TrainingRun
+from openrl.contract.records import CheckpointManifest, Session, TrainingRun
 from openrl.errors import NotFound, NotSupported, UserError
 from openrl.storage import TinkerPath
 from openrl.transport.bus import now_iso
@@ -25,16 +23,14 @@ async def add_to_session(g: Gateway, session_id: str, key: str, item: str) -> No
     """Append ``item`` to the list ``key`` (``training_run_ids`` / ``sampler_ids``) of a
     session record (compare-and-set: concurrent appends and heartbeats are kept)."""
 
-    def add(old):
-        old = dict(old or {})
-        old.setdefault(key, []).append(item)
-        return old
+    def add(rec: Session) -> None:
+        setattr(rec, key, [*getattr(rec, key), item])
 
-    await g.bus.meta_update(add, "session", session_id)
+    await g.update_session(session_id, add)
 
 
 async def new_run(g: Gateway, owner: str, session_id: str, model_seq_id: int, base_model: str, lora: dict,
-                  extra: dict) -> dict:
+                  extra: dict) -> TrainingRun:
     """Create the record of run ``<session_id>:train:<model_seq_id>`` in the caller's session,
     or return the existing one (a retried create).
 
@@ -48,7 +44,7 @@ async def new_run(g: Gateway, owner: str, session_id: str, model_seq_id: int, ba
     await g.session(session_id, owner)
     entry = g.registry.resolve(base_model)
     model_id = model_id_for(session_id, model_seq_id)
-    rec = TrainingRun.make(**{
+    rec = TrainingRun(**{
         "model_id": model_id,
         "session_id": session_id,
         "owner": owner,
@@ -60,21 +56,21 @@ async def new_run(g: Gateway, owner: str, session_id: str, model_seq_id: int, ba
         "last_request_time": now_iso(),
         **extra,
     })
-    if await g.bus.meta_create(rec, "model", model_id):
+    if await g.bus.meta_create(rec.stored(), "model", model_id):
         await add_to_session(g, session_id, "training_run_ids", model_id)
         return rec
     return await g.model(model_id, owner)
 
 
-def refuse_frozen(rec: dict) -> None:
+def refuse_frozen(rec: TrainingRun) -> None:
     """Training calls on a run made by copy_weights (:mod:`functions.gateway.routes_copy`) are refused.
 
     Raises:
         UserError: naming ``model_id``.
     """
-    if rec.get("frozen"):
-        raise UserError("model_id", f"training run {rec['model_id']!r} holds a copy made by copy_weights "
-                        f"(of {rec.get('copy_of')}) and cannot be trained on; create_training_client_from_state "
+    if rec.frozen:
+        raise UserError("model_id", f"training run {rec.model_id!r} holds a copy made by copy_weights "
+                        f"(of {rec.copy_of}) and cannot be trained on; create_training_client_from_state "
                         "from the copy's path trains a new run from it")
 
 
@@ -99,13 +95,13 @@ def checkpoint_path(model_id: str, kind: str, name: str) -> str:
     return str(TinkerPath.parse(f"tinker://{model_id}/{kind}/{name}", field="path"))
 
 
-async def readable_manifest(g: Gateway, ckpt: TinkerPath, owner: str, field_name: str = "path") -> dict:
+async def readable_manifest(g: Gateway, ckpt: TinkerPath, owner: str, field_name: str = "path") -> CheckpointManifest:
     """The manifest of a checkpoint ``owner`` may read (its own, or a published one).
 
     Raises:
         NotFound: naming ``field_name`` (also for another key's private checkpoint).
     """
-    m = await asyncio.to_thread(g.storage.manifest, ckpt)
-    if m is None or (m.get("owner") != owner and not m.get("public")):
+    m = await g.manifest(ckpt)
+    if m is None or (m.owner != owner and not m.public):
         raise NotFound(field_name, f"no checkpoint at {ckpt}")
     return m

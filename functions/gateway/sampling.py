@@ -52,10 +52,10 @@ async def resolve_target(g: Gateway, owner: str, base_model: str | None, model_p
         manifest = await readable_manifest(g, ckpt, owner, path_field)
         # external_weights: an imported adapter, or an unencrypted save_weights_external export
         require(ckpt.kind in ("sampler_weights", "weights") or (
-            ckpt.kind == "external_weights" and not manifest.get("encryption")), path_field,
+            ckpt.kind == "external_weights" and not manifest.encryption), path_field,
             "expected a tinker://<run>/sampler_weights/<name> path (or weights/<name>, or an unencrypted "
             "external_weights/<name>)")
-        base = manifest.get("base_model")
+        base = manifest.base_model
         require(not base_model or base_model == base, base_field,
                 f"{base_model!r} is not the base model of {model_path} ({base!r}); leave it out")
         path = str(ckpt)

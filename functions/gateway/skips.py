@@ -38,12 +38,11 @@ def request_id_for(model_id: str, seq_id: int) -> str:
     return f"{model_id}:{seq_id}"
 
 
-async def publish_skip(g: Gateway, run: dict, seq_id: int) -> None:
-    """Publish the ``skip`` of ``seq_id`` of ``run`` (a run record, or at least
-    ``{"model_id", "shard"}``); request id ``<model_id>:<seq_id>:skip``, so a repeat is a no-op."""
-    model_id = run["model_id"]
+async def publish_skip(g: Gateway, model_id: str, shard: int, seq_id: int, owner: str | None = None) -> None:
+    """Publish the ``skip`` of ``seq_id`` of run ``model_id`` (on trainer shard ``shard``; ``owner``:
+    the run's owner id, when known); request id ``<model_id>:<seq_id>:skip``, so a repeat is a no-op."""
     await g.submit("skip", f"{request_id_for(model_id, seq_id)}:skip", model_id,
-                   payloads.Skip(model_id=model_id, seq_id=seq_id).to_data(), model=run)
+                   payloads.Skip(model_id=model_id, seq_id=seq_id).to_data(), shard=shard, owner=owner)
 
 
 async def skip_owned(g: Gateway, owner: str, model_id: Any, seq_id: Any) -> bool:
@@ -55,7 +54,7 @@ async def skip_owned(g: Gateway, owner: str, model_id: Any, seq_id: Any) -> bool
         run = await g.model(str(model_id), owner)
     except Exception:  # noqa: BLE001 - not the caller's run (or none, or no answer): nothing to skip
         return False
-    await publish_skip(g, run, seq_id)
+    await publish_skip(g, run.model_id, run.shard, seq_id, run.owner)
     return True
 
 

@@ -3,7 +3,10 @@
 ``OPENRL_FUTURES`` holds one :class:`FutureRecord` per request id (a JSON head line, then the
 result bytes). ``OPENRL_META`` holds JSON records, keyed by
 ``openrl.transport.bus.kv_key(kind, id)``: :class:`Session` (``session``),
-:class:`TrainingRun` (``model``), :class:`SamplerSession` (``sampler``). Checkpoints carry a
+:class:`TrainingRun` (``model``), :class:`SamplerSession` (``sampler``), :class:`Upload`
+(``upload``), :class:`CopiedWeights` (``copy``, owner, idempotency key) and
+:class:`DownloadSecret` (``config``, ``download_secret``), :class:`WorkerRecord` (``workers``,
+function, shard, instance). Checkpoints carry a
 :class:`CheckpointManifest` (``manifest.json`` in storage) and a trainer's flushed run state a
 :class:`RunStateInfo` (the ``_runstate/<run>/HEAD.json`` pointer's info).
 
@@ -16,13 +19,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "FutureRecord", "FutureMeta", "Record", "Session", "TrainingRun", "SamplerSession",
-    "CheckpointManifest", "RunStateInfo",
+    "CheckpointManifest", "RunStateInfo", "Upload", "CopiedWeights", "DownloadSecret",
+    "WorkerRecord", "LoraConfig",
 ]
 
 
@@ -61,6 +65,14 @@ class FutureRecord:
         h = json.loads(head)
         return cls(state=h["state"], op=h.get("op", ""), content_type=h["content_type"], body=body, meta=h.get("meta"))
 
+    @property
+    def info(self) -> "FutureMeta":
+        """``meta`` as a :class:`FutureMeta` (all fields None when no meta was stored)."""
+        return FutureMeta.model_validate(self.meta or {})
+
+
+R = TypeVar("R", bound="Record")
+
 
 class Record(BaseModel):
     """Base of the JSON KV records: unknown keys are kept."""
@@ -70,6 +82,22 @@ class Record(BaseModel):
     def to_record(self) -> dict[str, Any]:
         """The JSON dict to store."""
         return self.model_dump(mode="json")
+
+    def stored(self) -> dict[str, Any]:
+        """The JSON dict to write back after a read-modify-write: the keys that were read (unknown
+        ones too) plus the fields assigned since, and no defaults that were not stored
+        (``model_dump(mode="json", exclude_unset=True)``). Assign a field (never mutate it in
+        place) for the change to be kept."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+    @classmethod
+    def load(cls: type[R], data: dict[str, Any] | None) -> R | None:
+        """A stored JSON dict as this model; None for None (no record).
+
+        Raises:
+            pydantic.ValidationError: the dict is not such a record.
+        """
+        return None if data is None else cls.model_validate(data)
 
     @classmethod
     def make(cls, **fields: Any) -> dict[str, Any]:
@@ -92,6 +120,18 @@ class FutureMeta(Record):
     t0: float | None = None
     ts: float | None = None
     t1: float | None = None
+
+
+class LoraConfig(Record):
+    """The LoRA config a record holds (``lora_config`` of a run, checkpoint or upload), as the
+    request gave it or an imported adapter declared it; other keys (``alpha``, ...) are kept.
+    An absent key reads as None."""
+
+    rank: int | None = None
+    seed: int | None = None
+    train_unembed: bool | None = None
+    train_mlp: bool | None = None
+    train_attn: bool | None = None
 
 
 class Session(Record):
@@ -123,7 +163,7 @@ class TrainingRun(Record):
     session_id: str
     owner: str
     base_model: str | None
-    lora_config: dict[str, Any] = {}
+    lora_config: LoraConfig = Field(default_factory=LoraConfig)
     optimizer_config: dict[str, Any] | None = None
     tokenizer_id: str | None = None
     shard: int = 0
@@ -147,7 +187,12 @@ class SamplerSession(Record):
 
 class CheckpointManifest(Record):
     """``manifest.json`` of a checkpoint (:func:`openrl.storage.build_manifest`): files with
-    size and sha256, owner, ttl, and the run's metadata at save time."""
+    size and sha256, owner, ttl, and the run's metadata at save time.
+
+    Optional keys some manifests carry: ``user_metadata`` (the save request's), ``encryption``
+    (``{scheme: "age", recipients}``, :mod:`openrl.storage.sealing`), ``lora_rank`` (older
+    manifests without ``lora_config``), ``copied_from`` (``copy_weights``) and
+    ``imported_from`` (an uploaded adapter)."""
 
     tinker_path: str
     checkpoint_id: str | None = None
@@ -162,9 +207,14 @@ class CheckpointManifest(Record):
     size_bytes: int = 0
     files: dict[str, dict[str, Any]] = {}
     base_model: str | None = None
-    lora_config: dict[str, Any] | None = None
+    lora_config: LoraConfig | None = None
     optimizer_config: dict[str, Any] | None = None
     seq_id: int | None = None
+    user_metadata: dict[str, Any] | None = None
+    encryption: dict[str, Any] | None = None
+    lora_rank: int | None = None
+    copied_from: str | None = None
+    imported_from: str | None = None
 
 
 class RunStateInfo(Record):
@@ -179,3 +229,54 @@ class RunStateInfo(Record):
     optimizer_config: dict[str, Any] | None = None
     flushed_unix: float | None = None
     flushed_by: str | None = None
+
+
+class Upload(Record):
+    """An adapter upload (``external_weights_upload_start``; :mod:`functions.gateway.routes_imports`):
+    ``expires_unix`` ends its signed upload URLs; ``tinker_path`` and ``finished`` are set when
+    ``external_weights_upload_finish`` stored the checkpoint."""
+
+    upload_id: str
+    owner: str
+    base_model: str
+    lora_config: LoraConfig = Field(default_factory=LoraConfig)
+    destination_project_id: str | None = None
+    created: str
+    expires_unix: int | None = None
+    tinker_path: str | None = None
+    finished: str | None = None
+
+
+class CopiedWeights(Record):
+    """What a ``copy_weights`` with an idempotency key made (a retry answers the same path)."""
+
+    tinker_path: str
+    created: str
+
+
+class DownloadSecret(Record):
+    """The HMAC key of the gateway's signed URLs, when ``OPENRL_DOWNLOAD_SECRET`` is not set
+    (made by the first replica that needs it)."""
+
+    secret: str
+
+
+class WorkerRecord(Record):
+    """A worker's presence record (:class:`openrl.transport.worker.WorkerPresence`): what it
+    serves, where it runs, what its Function describes (``device``, ``dtype``, ``backend``,
+    ``models_failed``, ``details``; as the Function reports them), and when it was refreshed."""
+
+    function: str
+    shard: int | None = None
+    instance: str | None = None
+    pid: int | None = None
+    host: str | None = None
+    device: Any = None
+    dtype: Any = None
+    backend: Any = None
+    models_failed: Any = None
+    details: Any = None
+    started: str | None = None
+    updated: str | None = None
+    updated_unix: float | None = None
+    refresh_s: float | None = None

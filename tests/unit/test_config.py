@@ -70,3 +70,22 @@ def test_run_table():
     assert "m" in t and list(t) == ["m"] and t.group_of("m") == "/models/a" and t.owner("m") == "alice"
     assert t.meta("m") == {"base_model": "A", "lora_config": {"rank": 4}, "optimizer_config": None}
     assert t.remove("m").base_key == "/models/a" and "m" not in t and t.owner("m") == "alice"
+
+
+def test_gateway_settings_reach_the_signed_url_routes():
+    """``app_from_env(cfg)``'s settings (:meth:`GatewaySettings.of`) carry the signed URLs'
+    ``public_url``, ``download_ttl_s`` and ``download_secret``, which the download routes read
+    from the app's Gateway (not from the environment); the secret stays out of the repr."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from functions.gateway.context import GatewaySettings
+    from functions.gateway.routes_download import _public_base, _secret, url_ttl_s
+
+    gs = GatewaySettings.of(Settings.of({"public_url": "http://pub:1/", "download_ttl_s": 7,
+                                         "download_secret": "k3y", "proto_compress": True}))
+    assert (gs.public_url, gs.download_ttl_s, gs.download_secret, gs.proto_compress) == ("http://pub:1/", 7, "k3y", True)
+    assert "k3y" not in repr(gs)
+    app = SimpleNamespace(state=SimpleNamespace(gw=SimpleNamespace(settings=gs)))
+    request = SimpleNamespace(app=app, base_url="http://request:2/")
+    assert (url_ttl_s(request), _public_base(request), asyncio.run(_secret(request))) == (7, "http://pub:1", b"k3y")
