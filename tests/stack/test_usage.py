@@ -18,6 +18,7 @@ import tinker
 from tinker import types
 
 from conftest import BASE_MODEL
+from functions.gateway.quotas import STORED_CACHE_S
 from openrl.edge.auth import owner_of
 
 SEQ = [9707, 1879, 11, 419, 374, 264, 1273, 315, 279, 11691, 9128, 13]
@@ -73,7 +74,11 @@ def test_usage_per_key_counts_what_the_key_did(keyed_stack, keys):
     assert row["processes"] >= 2  # the trainer's and the sampler's records, summed
     # stored bytes: the key's live checkpoints, as its own listing sizes them
     listed = svc.create_rest_client().list_user_checkpoints(limit=1000).result().checkpoints
-    assert row["stored_bytes"] == sum(c.size_bytes or 0 for c in listed) > 0
+    stored = sum(c.size_bytes or 0 for c in listed)
+    # the gateway reads stored bytes at most every STORED_CACHE_S (5 s): a row cached before the
+    # save may still be served; wait out the cache (a bound on staleness, not a timing assertion)
+    row = _wait(base, keys.other, {"stored_bytes": stored}, deadline_s=3 * STORED_CACHE_S)
+    assert row["stored_bytes"] == stored > 0
 
     # isolation: another key sees only its own row; an admin listing all sees both
     user_row = _mine(base, keys.user)
