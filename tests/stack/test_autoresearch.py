@@ -79,14 +79,18 @@ def test_optuna_sweep_interrupted_and_resumed(stack, api_key, tmp_path):
     (tmp_path / "space.json").write_text(json.dumps(SPACE))
     # 10 experiments of 4 steps, 2 at a time, no pruning: after the first one ends, four more
     # rounds of 4 steps remain (5-10 s here), so the Ctrl-C below lands mid-sweep however late the
-    # poll sees the end record. CI, 2026-12-02: with 4 x 3, and again with 8 x 4 under the median
-    # pruner (which cut every later experiment to 2 steps), the sweep finished before the signal.
+    # poll sees the end record.
     n_exp, n_steps = 10, 4
     cmd = _cmd(out, "--experiments", str(n_exp), "--parallel", "2", "--steps", str(n_steps),
                "--pruner", "none", "--space", str(tmp_path / "space.json"))
     env = _env(stack, api_key)
 
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Ctrl-C as in a terminal: the child gets SIGINT's default disposition, whatever this process
+    # inherited (a shell's background job, e.g. `nohup bash .ci/run &`, ignores SIGINT, and an
+    # ignored signal stays ignored across exec: the driver then never saw the Ctrl-C and the
+    # whole sweep ran to its end, 2026-12-02)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 300  # a guard against a hang, not a timing assertion
         while not any(r["event"] == "end" for r in _records(out)):
