@@ -131,6 +131,12 @@ class Settings(BaseSettings):
     colocated_sampler: bool = Field(False, description="the trainer shares this machine and its cache dir with the "
                                     "sampler (the embedded stack): gs:// snapshots it saves stay in the cache, so "
                                     "the sampler reads them locally instead of downloading them back")
+    handoff_dir: str | None = Field(None, description="with colocated_sampler: the directory (a tmpfs) through "
+                                    "which the trainer hands unnamed sampler snapshots to the sampler from memory, "
+                                    "default /dev/shm/openrl-<hash of home>; off = always through storage "
+                                    "(openrl/storage/handoff.py)")
+    handoff_max_bytes: int = Field(0, ge=0, description="most bytes of snapshots the handoff holds; 0 = a quarter "
+                                   "of its file system, at most 16 GiB")
     idle_timeout: float = Field(300.0, ge=0, description="embedded stack (openrl serve / run): seconds a worker's "
                                 "queue stays empty before it is stopped (scale to zero); 0 = keep it up")
     start_failures: int = Field(3, ge=1, description="embedded stack: failed starts of a worker in a row with the "

@@ -137,6 +137,10 @@ def create_app(
     keys = keys if keys is not None else load_keys()
     gw = Gateway(bus=Bus(nats_url), registry=registry, storage=open_storage(storage_url), settings=settings or GatewaySettings())
     gw.keys = keys
+    from openrl.config import Settings
+    from openrl.storage.handoff import SnapshotHandoff
+
+    gw.handoff = SnapshotHandoff.from_settings(Settings())  # snapshots whose durable write is under way
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -107,6 +107,10 @@ class Gateway:
     _samplers: dict[str, tuple] = field(default_factory=dict)  # sampler id -> (record, monotonic time read)
     _vocab: dict[str, int] = field(default_factory=dict)
     _http: object | None = None
+    handoff: object | None = None  # openrl.storage.handoff.SnapshotHandoff of a co-located trainer, or None
+
+    #: seconds :meth:`manifest` waits for a handed-off snapshot's background write
+    HANDOFF_WAIT_S = 30.0
 
     # ----- identity ---------------------------------------------------------------
     def shard_of(self, model_id: str) -> int:
@@ -143,8 +147,18 @@ class Gateway:
     async def manifest(self, path) -> CheckpointManifest | None:
         """The manifest of the checkpoint at ``path`` (a :class:`openrl.storage.TinkerPath`), or None."""
         import asyncio
+        import time
 
-        return CheckpointManifest.load(await asyncio.to_thread(self.storage.manifest, path))
+        m = await asyncio.to_thread(self.storage.manifest, path)
+        if m is None and self.handoff is not None and self.handoff.get(path) is not None:
+            # an unnamed sampler snapshot handed to the sampler through memory: its durable write
+            # (functions/trainer/snapshots.py) is under way; wait for it rather than answer 404
+            deadline = time.monotonic() + self.HANDOFF_WAIT_S
+            while m is None and time.monotonic() < deadline and not self.handoff.durable(path):
+                await asyncio.sleep(0.05)
+                m = await asyncio.to_thread(self.storage.manifest, path)
+            m = m or await asyncio.to_thread(self.storage.manifest, path)
+        return CheckpointManifest.load(m)
 
     async def run_manifests(self, run_id: str) -> list[CheckpointManifest]:
         """The manifests of every checkpoint of training run ``run_id`` (any owner's, expired ones too)."""

@@ -27,6 +27,7 @@ from openrl.errors import UserError
 from openrl.model.loadfailures import LoadFailures, ModelLoadError, describe_failures
 from openrl.model.registry import ModelRegistry
 from openrl.storage import TinkerPath, open_storage
+from openrl.storage.handoff import SnapshotHandoff
 
 SOURCE = SOURCE_SAMPLER
 
@@ -42,6 +43,7 @@ class SamplerFunction:
         self.stability = None  # StabilityStore (openrl/transport/stability.py)
         self.nats_url: str | None = None
         self.load_failures = LoadFailures()  # base models that failed to load (openrl/model/loadfailures.py)
+        self.handoff: SnapshotHandoff | None = None
 
     async def start(self, cfg: Settings | dict | None = None) -> None:
         """Open storage and the registry; load the ``preload`` base models.
@@ -73,6 +75,9 @@ class SamplerFunction:
         self.nats_url = cfg.nats_url  # the stability store's (record_stability_info), opened on first use
         configure_torch_threads(cfg.torch_threads)
         self.storage = open_storage(cfg.storage_url, cache_dir=cfg.cache_dir)
+        self.handoff = SnapshotHandoff.from_settings(cfg)  # the co-located trainer's snapshots in memory
+        if self.handoff is not None:
+            self.handoff.drop_dead_pins()
         self.registry = registry or ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
         self.device = resolve_device(cfg.device)
         self.backend = cfg.sampler_backend
@@ -168,10 +173,9 @@ class SamplerFunction:
         busy = metrics.busy_clock("sampler")  # openrl_busy_seconds_total: adapter load + sampling
         if d.model_path:
             ckpt = TinkerPath.parse(d.model_path, field="model_path")
-            local = await asyncio.to_thread(self.storage.get_dir, ckpt)
             adapter = str(ckpt)
             with busy.job():
-                await engine.ensure_adapter(adapter, local)
+                await self._ensure_adapter(engine, ckpt)
         sp = d.sampling_params
         stop = [sp.stop] if isinstance(sp.stop, str) else sp.stop
         tpl = d.target_prompt_logprobs
@@ -202,6 +206,27 @@ class SamplerFunction:
         if d.record_stability_info:  # before the result: a client never holds an id without its record
             await self._stability().put_many(stability_records(event, d, res))
         return events.result_event(event, encode_result(res, tpl), source=SOURCE)
+
+    async def _ensure_adapter(self, engine, ckpt: TinkerPath) -> None:
+        """Load snapshot ``ckpt`` into ``engine`` (a no-op when loaded): from the handoff
+        (:mod:`openrl.storage.handoff`, the co-located trainer's copy in shared memory) when it
+        is there (pinned: :meth:`SnapshotHandoff.pin`), else from storage.
+
+        Raises:
+            NotFound: no checkpoint at ``ckpt``. UserError: not a usable adapter.
+        """
+        key = str(ckpt)
+        held = await asyncio.to_thread(self.handoff.pin, ckpt) if self.handoff is not None else None
+        if held is not None:
+            await engine.ensure_adapter(key, held)  # the pin stays readable: no fallback needed
+            metrics.SNAPSHOT_SOURCE.labels("handoff").inc()
+        else:
+            local = await asyncio.to_thread(self.storage.get_dir, ckpt)
+            await engine.ensure_adapter(key, local)
+            metrics.SNAPSHOT_SOURCE.labels("storage").inc()
+        if self.handoff is not None:  # pins of adapters no engine holds any more
+            loaded = {k for e in self.engines.values() for k in e.loaded_adapters()}
+            await asyncio.to_thread(self.handoff.unpin_except, loaded)
 
     def _stability(self):
         if self.stability is None:

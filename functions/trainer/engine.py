@@ -629,6 +629,29 @@ class TrainerEngine:
         self._run(model_id)
         save_peft_adapter(self.model, model_id, Path(directory))
 
+    def export_sampler_direct(self, model_id: str, directory: Path) -> int:
+        """Write the run's PEFT adapter (float32 safetensors + ``adapter_config.json``) into
+        ``directory`` with one device-to-host copy straight into the file
+        (:func:`openrl.model.lora.peft_io.export_peft_direct`); the caller holds the engine lock.
+        Returns the bytes written.
+
+        Raises:
+            NotFound: unknown run. OSError: the directory cannot be written.
+        """
+        from openrl.model.lora.peft_io import export_peft_direct
+
+        self._run(model_id)
+        return export_peft_direct(self.model, model_id, Path(directory))
+
+    def adapter_nbytes(self, model_id: str) -> int:
+        """Bytes of the run's adapter as float32 (what a sampler snapshot's weights file holds).
+
+        Raises:
+            NotFound: unknown run.
+        """
+        self._run(model_id)
+        return sum(p.numel() * 4 for _, p in self.model.named_adapter_parameters(model_id))
+
     def sampler_snapshot(self, model_id: str) -> tuple[dict[str, torch.Tensor], dict]:
         """The run's adapter as PEFT tensors (float32 CPU copies) and its ``adapter_config.json``
         content: what :meth:`export_sampler_weights` writes, taken in one device-to-host copy so

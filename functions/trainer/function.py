@@ -37,6 +37,8 @@ from openrl.storage import CheckpointExists, TinkerPath, build_manifest, open_st
 from functions.trainer.durable import RunDurability
 from functions.trainer.runs import RunTable
 from functions.trainer.scheduler import PackPolicy, Pending, Scheduler
+from functions.trainer.snapshots import SnapshotWriter
+from openrl.storage.handoff import SnapshotHandoff
 
 SOURCE = SOURCE_TRAINER
 
@@ -61,6 +63,7 @@ class TrainerFunction:
         self.stability = None  # StabilityStore of stable_reinforce (openrl/transport/stability.py)
         self.nats_url: str | None = None
         self.load_failures = LoadFailures()  # base models that failed to load (openrl/model/loadfailures.py)
+        self.snapshots: SnapshotWriter | None = None  # unnamed sampler snapshots through memory (one machine)
 
     async def start(self, cfg: Settings | dict | None = None) -> None:
         """Open storage and the registry, start the scheduler and the run-state flusher,
@@ -97,6 +100,8 @@ class TrainerFunction:
         self.nats_url = cfg.nats_url  # the stability store's (stable_reinforce), opened on first use
         # a co-located sampler (the embedded stack) reads gs:// snapshots from the shared cache
         self.storage = open_storage(cfg.storage_url, cache_dir=cfg.cache_dir, write_through=cfg.colocated_sampler)
+        handoff = SnapshotHandoff.from_settings(cfg)  # unnamed sampler snapshots through memory (one machine)
+        self.snapshots = SnapshotWriter(handoff, self.storage, self._lock) if handoff is not None else None
         self.registry = registry or ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
         self.device = resolve_device(cfg.device)
         self.fused_kernels = cfg.fused_kernels
@@ -115,6 +120,8 @@ class TrainerFunction:
                                      interval_s=cfg.flush_interval_s, restore_wait_s=cfg.restore_wait_s)
         self.scheduler.start()
         self.durable.start()
+        if self.snapshots is not None:  # what a previous trainer handed off but did not write
+            self._recovery = asyncio.get_running_loop().create_task(self.snapshots.recover())
         for name in cfg.preload:
             try:
                 await asyncio.to_thread(self._engine_for, name)
@@ -137,6 +144,8 @@ class TrainerFunction:
         async with self._lock:  # the op in progress (if any) completes and updates its cursor first
             await self.scheduler.stop()
         await self.durable.wait_idle()  # creates / restores / unloads already under way
+        if self.snapshots is not None:  # handed-off snapshots reach storage before the process ends
+            await self.snapshots.drain()
         await self.durable.flush_all(final=True)
         for engine in self.engines.values():
             if hasattr(engine, "close"):  # a DistributedTrainerEngine: stop its follower ranks
@@ -447,6 +456,14 @@ class TrainerFunction:
         """Write a checkpoint of the run (sampler snapshot when ``sampler``); the future's result
         ``{path[, size_bytes][, sampling_session_id]}``."""
         path = TinkerPath.parse(d.path)
+        meta = self.runs.meta(model_id)
+        extra = {"base_model": meta.get("base_model"), "lora_config": meta.get("lora_config"),
+                 "optimizer_config": meta.get("optimizer_config"),
+                 **({"user_metadata": d.user_metadata} if d.user_metadata else {})}
+        if (sampler and d.sampling_session_id and path.kind == "sampler_weights" and self.snapshots is not None
+                and await self.snapshots.save(engine, model_id, path, seq_id=d.seq_id, owner=d.owner,
+                                              ttl_seconds=d.ttl_seconds, extra=extra)):
+            return {"path": str(path), "sampling_session_id": d.sampling_session_id}
         tmp = Path(tempfile.mkdtemp(prefix="openrl-save-", dir=self.storage.scratch_dir()))
         try:
             async with self._lock:
@@ -457,13 +474,8 @@ class TrainerFunction:
             if sampler:
                 await asyncio.to_thread(engine.write_sampler_snapshot, snapshot, tmp)
                 del snapshot
-            meta = self.runs.meta(model_id)
             manifest = build_manifest(tmp, path, owner=d.owner, ttl_seconds=d.ttl_seconds,
-                                      extra={"base_model": meta.get("base_model"),
-                                             "lora_config": meta.get("lora_config"),
-                                             "optimizer_config": meta.get("optimizer_config"),
-                                             "seq_id": d.seq_id,
-                                             **({"user_metadata": d.user_metadata} if d.user_metadata else {})})
+                                      extra={**extra, "seq_id": d.seq_id})
             try:
                 await asyncio.to_thread(self.storage.put_dir, path, tmp, manifest)
             except CheckpointExists:

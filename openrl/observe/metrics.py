@@ -114,6 +114,13 @@ SAMPLE_TRAIN_ABS_MAX = Histogram("openrl_trainer_sample_train_logprob_diff_abs_m
                                  ["base_model"], buckets=MISMATCH_BUCKETS)
 SAMPLE_TRAIN_TOKENS = Counter("openrl_trainer_sample_train_tokens",
                               "Sampled tokens whose sampler-trainer logprob mismatch was measured", ["base_model"])
+SNAPSHOT_SAVES = Counter("openrl_trainer_snapshot_saves", "Unnamed sampler snapshots saved, by the way they reach "
+                         "the sampler (memory: the shared-memory handoff; storage: no room there)", ["path"])
+SNAPSHOT_PERSIST_FAILURES = Counter("openrl_trainer_snapshot_persist_failures",
+                                    "Handed-off sampler snapshots whose background write to storage failed "
+                                    "(every retry); they stay in the handoff until a trainer writes them")
+SNAPSHOT_SOURCE = Counter("openrl_sampler_snapshot_source", "Adapter directories the sampler opened, by where it "
+                          "found them (handoff: shared memory; storage)", ["source"])
 ADAPTER_CACHE = Counter("openrl_sampler_adapter_cache", "Sampler adapter lookups (hit: already loaded)", ["result"])
 FUNCTION_INFO = Info("openrl_function", "What a function runs on (device, dtype, backend), from its describe()",
                      ["function"])

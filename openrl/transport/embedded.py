@@ -351,6 +351,20 @@ class Stack:
                     p.kill()
         self.procs.clear()
         pidfile.clear(self.state_dir)
+        self._clear_handoff()
+
+    def _clear_handoff(self) -> None:
+        """Free the shared memory of the snapshot handoff (openrl/storage/handoff.py) once every
+        snapshot in it is durable; else keep it, for the next trainer on this state dir to write."""
+        from openrl.storage.handoff import SnapshotHandoff
+
+        root = SnapshotHandoff.root_for(Settings.of({"home": str(self.state_dir),
+                                                     "handoff_dir": self.extra_env.get("OPENRL_HANDOFF_DIR")}))
+        if root is None or not root.is_dir():
+            return
+        handoff = SnapshotHandoff(root, max_bytes=1)
+        if not handoff.pending():
+            handoff.clear()
 
     def __enter__(self) -> "Stack":
         return self.start()

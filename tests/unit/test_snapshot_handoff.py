@@ -1,0 +1,192 @@
+"""The shared-memory snapshot handoff (openrl/storage/handoff.py), the trainer's writer
+(functions/trainer/snapshots.py) and the one-copy adapter file (openrl/model/lora/peft_io.py):
+real files on a tmp dir and a real file:// storage; no GPU, so the device path of
+``write_adapter_direct`` is checked with CPU tensors through ``_write_packed``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from functions.trainer.snapshots import SnapshotWriter
+from openrl.config import Settings
+from openrl.model.lora.peft_io import _write_packed, write_adapter_direct
+from openrl.storage import CheckpointExists, TinkerPath, open_storage
+from openrl.storage.handoff import DURABLE_NAME, SnapshotHandoff
+
+
+def _params(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(f"base_model.model.layers.{i}.q_proj.lora_{ab}.weight",
+             torch.randn(*((4, 16) if ab == "A" else (24, 4)), generator=g)) for i in range(3) for ab in "AB"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_direct_file_reads_back_as_the_same_tensors(tmp_path, dtype):
+    params = [(k, v.to(dtype)) for k, v in _params()]
+    n = write_adapter_direct(params, tmp_path / "a.safetensors")
+    assert n == os.path.getsize(tmp_path / "a.safetensors")
+    back = load_file(tmp_path / "a.safetensors")
+    assert list(back) == sorted(k for k, _ in params) or set(back) == {k for k, _ in params}
+    for k, v in params:
+        assert back[k].dtype == dtype and torch.equal(back[k], v)
+    with safe_open(tmp_path / "a.safetensors", framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
+def test_packed_path_writes_the_same_bytes_as_the_streamed_one(tmp_path):
+    """The device path (one cat, one copy into the memory-mapped file) and the CPU path agree."""
+    params = _params(1)
+    write_adapter_direct(params, tmp_path / "cpu.safetensors")
+    data = (tmp_path / "cpu.safetensors").read_bytes()
+    hlen = int.from_bytes(data[:8], "little")
+    _write_packed(params, tmp_path / "packed.safetensors", torch.float32, data[:8 + hlen], len(data) - 8 - hlen)
+    assert (tmp_path / "packed.safetensors").read_bytes() == data
+
+
+def test_direct_writer_refuses_what_it_cannot_store(tmp_path):
+    with pytest.raises(ValueError, match="no tensors"):
+        write_adapter_direct([], tmp_path / "x")
+    with pytest.raises(ValueError, match="cannot store dtype"):
+        write_adapter_direct([("a", torch.zeros(2, dtype=torch.int64))], tmp_path / "x")
+
+
+def _path(name: str = "s1-0") -> TinkerPath:
+    return TinkerPath.parse(f"tinker://run-a/sampler_weights/{name}")
+
+
+def _writer(tmp_path, max_bytes: int = 1 << 30, keep_s: float = 60.0):
+    handoff = SnapshotHandoff(tmp_path / "shm", max_bytes=max_bytes, keep_s=keep_s)
+    storage = open_storage((tmp_path / "storage").as_uri())
+    return handoff, storage
+
+
+def _fill(seed: int = 0):
+    def write(d):
+        write_adapter_direct(_params(seed), d / "adapter_model.safetensors")
+        (d / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 32, "target_modules": ["q_proj"]}))
+    return write
+
+
+def _meta(path: TinkerPath, seq_id: int = 3) -> dict:
+    return {"tinker_path": str(path), "training_run_id": path.run_id, "seq_id": seq_id, "owner": "o1",
+            "ttl_seconds": None, "extra": {"base_model": "m"}}
+
+
+def test_entry_appears_whole_then_persists_with_a_manifest(tmp_path):
+    handoff, storage = _writer(tmp_path)
+    p = _path()
+    d = handoff.put(p, 10_000, _fill(), _meta(p))
+    assert d == handoff.get(p) and not handoff.durable(p)
+    assert [e[0] for e in handoff.pending()] == [p]
+    assert not list(d.parent.glob(".tmp-*"))
+    SnapshotWriter(handoff, storage, asyncio.Lock()).persist_now(p)
+    assert handoff.durable(p) and handoff.pending() == []
+    m = storage.manifest(p)
+    assert m["owner"] == "o1" and m["seq_id"] == 3 and m["base_model"] == "m"
+    assert set(m["files"]) == {"adapter_model.safetensors", "adapter_config.json"}  # no handoff markers
+    stored = storage.get_dir(p)
+    assert (stored / "adapter_model.safetensors").read_bytes() == (d / "adapter_model.safetensors").read_bytes()
+    with pytest.raises(FileExistsError):
+        handoff.put(p, 10, _fill(), _meta(p))
+
+
+def test_persist_of_a_redelivery_accepts_its_own_checkpoint_only(tmp_path):
+    handoff, storage = _writer(tmp_path)
+    p = _path()
+    handoff.put(p, 10_000, _fill(), _meta(p, seq_id=3))
+    w = SnapshotWriter(handoff, storage, asyncio.Lock())
+    w.persist_now(p)
+    (handoff.dir_of(p) / DURABLE_NAME).unlink()
+    w.persist_now(p)  # the same request's checkpoint is there: done
+    assert handoff.durable(p)
+    q = _path("s2-0")
+    handoff.put(q, 10_000, _fill(), _meta(q, seq_id=5))
+    storage.put_dir(q, handoff.dir_of(p), {**storage.manifest(p), "tinker_path": str(q), "seq_id": 9})
+    with pytest.raises(CheckpointExists):
+        w.persist_now(q)
+    assert not handoff.durable(q)
+
+
+def test_room_evicts_only_durable_entries_past_keep(tmp_path):
+    handoff, storage = _writer(tmp_path, max_bytes=1 << 20, keep_s=0.0)
+    w = SnapshotWriter(handoff, storage, asyncio.Lock())
+    for i in range(2):
+        p = _path(f"s{i}-0")
+        assert handoff.put(p, 1000, _fill(i), _meta(p, i)) is not None
+    size = handoff.size() // 2
+    handoff.max_bytes = 2 * size + size // 2  # room for two entries and a half
+    p2 = _path("s2-0")
+    assert handoff.put(p2, size, _fill(2), _meta(p2, 2)) is None  # nothing durable: no room, storage path
+    w.persist_now(_path("s0-0"))
+    assert handoff.put(p2, size, _fill(2), _meta(p2, 2)) is not None  # the durable one made room
+    assert handoff.get(_path("s0-0")) is None and handoff.get(_path("s1-0")) is not None
+
+
+def test_recent_entries_are_kept_even_when_durable(tmp_path):
+    handoff, storage = _writer(tmp_path, max_bytes=1500, keep_s=3600)
+    p = _path()
+    handoff.put(p, 1000, _fill(), _meta(p))
+    SnapshotWriter(handoff, storage, asyncio.Lock()).persist_now(p)
+    assert handoff.make_room(1000) is False and handoff.get(p) is not None
+
+
+def test_a_pin_outlives_eviction_until_unpinned(tmp_path):
+    handoff, storage = _writer(tmp_path, max_bytes=1 << 20, keep_s=0.0)
+    p = _path()
+    handoff.put(p, 1000, _fill(), _meta(p))
+    pin = handoff.pin(p)
+    assert pin is not None and handoff.pin(p) == pin
+    SnapshotWriter(handoff, storage, asyncio.Lock()).persist_now(p)
+    handoff.max_bytes = 1
+    handoff.make_room(1)
+    assert handoff.get(p) is None  # evicted ...
+    assert load_file(pin / "adapter_model.safetensors")  # ... the pinned files still read
+    assert handoff.entries() == [] and handoff.size() == 0  # pins are not entries
+    handoff.unpin_except({str(p)})
+    assert pin.exists()
+    handoff.unpin_except(set())
+    assert not pin.exists()
+
+
+def test_writer_save_falls_back_when_there_is_no_room(tmp_path):
+    """SnapshotWriter.save with an engine stand-in (the trainer's export hook on CPU tensors)."""
+    handoff, storage = _writer(tmp_path, max_bytes=10)
+
+    class Engine:
+        def adapter_nbytes(self, model_id):
+            return 10_000
+
+        def export_sampler_direct(self, model_id, d):
+            _fill()(d)
+
+    async def go():
+        w = SnapshotWriter(handoff, storage, asyncio.Lock())
+        assert await w.save(Engine(), "run-a", _path(), seq_id=3, owner="o1", ttl_seconds=None, extra={}) is False
+        handoff.max_bytes = 1 << 20
+        assert await w.save(Engine(), "run-a", _path(), seq_id=3, owner="o1", ttl_seconds=None, extra={}) is True
+        assert await w.save(Engine(), "run-a", _path(), seq_id=3, owner="o1", ttl_seconds=None, extra={}) is True
+        with pytest.raises(CheckpointExists):
+            await w.save(Engine(), "run-a", _path(), seq_id=4, owner="o1", ttl_seconds=None, extra={})
+        await w.drain()
+        assert handoff.durable(_path()) and storage.manifest(_path())["seq_id"] == 3
+
+    asyncio.run(go())
+
+
+def test_settings_turn_it_on_only_for_a_colocated_sampler(tmp_path):
+    assert SnapshotHandoff.from_settings(Settings(home=str(tmp_path))) is None
+    on = SnapshotHandoff.from_settings(Settings(home=str(tmp_path), colocated_sampler=True,
+                                                handoff_dir=str(tmp_path / "h")))
+    assert on is not None and on.root == tmp_path / "h" and on.max_bytes > 0
+    assert SnapshotHandoff.from_settings(Settings(home=str(tmp_path), colocated_sampler=True,
+                                                  handoff_dir="off")) is None
+    start = time.time()
+    assert on.pending() == [] and time.time() - start < 60
