@@ -29,6 +29,7 @@ STEPS=(
   "conform-B|.whl/k2|bench/conform_call.sh B|conformance 2/4: unpacks vLLM part A while the same stack runs test_batch_invariance, test_stack_packing; out: B/, logsB.tgz"
   "conform-C|.whl/k3|bench/conform_call.sh C|conformance 3/4: completes vLLM, restarts openrl serve on a new state dir (vLLM sampler, the keyed tests' environment), the parity test and the core files of tests/stack; out: C/, logsC.tgz"
   "conform-D|-|bench/conform_call.sh D|conformance 4/4: the rest of tests/stack (the service's edges, the mix on vLLM) against the same stack, then stops it; MIX_D; out: D/, logsD.tgz"
+  "stack-after-conform|-||after conform-C (vLLM complete, the stack's wheels and the model in place): stops conform-C's serve, then stack_h200.py with vLLM sharing conform-C's vLLM compile cache; ARGS (default --sections rl,sample --rl-runs 1,8 --shapes fixed,varied --warmup 1 --breakdown --no-direct); out: stack.jsonl, stack.md, logsS.tgz"
   "conform-R|.gpu|bench/conform_call.sh R|one call on a fresh machine, no vLLM: conform-A's set-up, then RFILES (filtered by RK) against a transformers-sampler stack; out: R/, logsR.tgz"
 )
 
@@ -269,6 +270,28 @@ step_stack_sweep() {
   pack_logs logs4 "$L"; el "call4 done"
 }
 
+# stack-after-conform: right after conform-C (or conform-D) on the same machine: the through-the-stack benchmark
+# without a chain of its own (the conformance chain already brought vLLM, the stack's wheels and the model).
+#   - stops conform-C's `openrl serve` ($WORK/conf-vllm), so the benchmark's stack has the GPU to itself
+#   - bench/stack_h200.py ARGS with vLLM on PYTHONPATH and VLLM_CACHE_ROOT=$WORK/conf-vllm/cache/vllm (its compile
+#     cache: the benchmark's vLLM starts warm)
+# Results: stack.jsonl, stack.md, logsS.tgz.
+step_stack_after_conform() {
+  [ "$DRY" = 1 ] || [ -x "$STK/bin/nats-server" ] || { echo "NOT WARM: run conform-A, -B, -C first"; exit 3; }
+  L=$WORK/logsS; rm -rf "$L"; mkdir -p "$L"
+  el start
+  stack_path vllm; [ "$DRY" = 1 ] && stack_path
+  "$PY" bench/serve_bg.py stop --state-dir "$WORK/conf-vllm" --grace-s 20 2>&1 | tail -2
+  [ -d "$WORK/conf-vllm/cache/vllm" ] && export VLLM_CACHE_ROOT=$WORK/conf-vllm/cache/vllm
+  nvidia-smi --query-gpu=name,memory.used --format=csv 2>/dev/null
+  # shellcheck disable=SC2086
+  stack_bench $(( $(left) - 10 )) ${ARGS:---sections rl,sample --rl-runs 1,8 --shapes fixed,varied --warmup 1 --breakdown --no-direct} \
+    > "$L/stack.log" 2>&1; el "stack bench rc=$?"
+  grep '^{' "$L/stack.log" | grep -v '"what": "env"' | cut -c1-700
+  grep -v -E "^\s+(File|\^)" "$L/stack.log" | grep -i -E -B2 -A8 "Traceback|Error" | head -30
+  pack_logs logsS "$L"; el "done"
+}
+
 # ---- the GPU conformance chain (issue 22, docs/gpu-conformance.md) -----------------------------------------
 # Four device calls in a row on ONE warm H200 machine (it is given back 30 s after a call: start each call as
 # soon as the last returns). Payload: bench/stack_payload.sh, then bench/conform_payload.sh (here).
@@ -360,7 +383,9 @@ step_conform() {  # X: A|B|C|D|R (after stack_env.sh is sourced)
         && rm -f "$PARTS/A.tar.xz" && echo UNPACK_A_OK ) > "$L/unpack_a.log" 2>&1 &
       UP=$!
     fi
-    conform "$S_HF" B $(( $(left) - 40 )) test_batch_invariance test_stack_packing
+    BF=${BFILES-test_batch_invariance test_stack_packing}   # BFILES="": only the unpacking (a quick chain)
+    # shellcheck disable=SC2086
+    [ -n "$BF" ] && conform "$S_HF" B $(( $(left) - 40 )) $BF
     [ "$DRY" = 1 ] || { wait $UP; el "unpack A rc=$?"; tail -1 "$L/unpack_a.log"; }
     finish "$S_HF"
     ;;
@@ -380,8 +405,10 @@ step_conform() {  # X: A|B|C|D|R (after stack_env.sh is sourced)
     rm -rf "$S_VL"; mkdir -p "$S_VL"
     eval "$("$PY" bench/gpu_conformance.py --state-dir "$S_VL" --print-env)"   # the keyed tests' keys and limits
     serve "$S_VL"
-    conform "$S_VL" C $(( $(left) - 30 )) test_sampler_trainer_parity test_e2e_sdk test_compat_sdk test_two_d_targets_sdk \
-      test_sample_train_mismatch test_batch_invariance test_stack_packing test_max_tokens_and_peft test_surface
+    # shellcheck disable=SC2086
+    conform "$S_VL" C $(( $(left) - 30 )) ${CFILES:-test_sampler_trainer_parity test_e2e_sdk test_compat_sdk \
+      test_two_d_targets_sdk test_sample_train_mismatch test_batch_invariance test_stack_packing \
+      test_max_tokens_and_peft test_surface test_snapshot_handoff_sdk}
     finish "$S_VL"
     ;;
   D)

@@ -102,6 +102,15 @@ def busy(before: dict, after: dict, wall_s: float, steps: int) -> dict:
         d = max(0.0, a - (b or 0.0))
         out[name] = {"busy_s": round(d, 3), "busy_s_per_step": round(d / max(1, steps), 3),
                      "busy_fraction": round(d / wall_s, 3) if wall_s > 0 else None}
+        # where the snapshots went (trainer) and what loading them cost (sampler), same interval
+        keys = {"trainer": (('openrl_trainer_snapshot_saves_total{path="memory"}', "snapshots_memory"),
+                            ('openrl_trainer_snapshot_saves_total{path="storage"}', "snapshots_storage")),
+                "sampler": (("openrl_sampler_adapter_load_seconds_count", "adapter_loads"),
+                            ("openrl_sampler_adapter_load_seconds_sum", "adapter_load_s"))}
+        for key, label in keys[name]:
+            bv, av = before.get(name, {}).get(key), after.get(name, {}).get(key)
+            if av is not None:
+                out[name][label] = round(av - (bv or 0.0), 3)
     return out
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
@@ -138,7 +139,9 @@ class SamplerEngine:
         fut = asyncio.get_running_loop().create_future()
         self._loading[key] = fut
         try:
+            t0 = time.perf_counter()
             await self.backend.load_adapter(key, Path(local_dir))
+            metrics.ADAPTER_LOAD_SECONDS.observe(time.perf_counter() - t0)
             self._adapters[key] = Path(local_dir)
         finally:
             del self._loading[key]

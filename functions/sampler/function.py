@@ -44,6 +44,7 @@ class SamplerFunction:
         self.nats_url: str | None = None
         self.load_failures = LoadFailures()  # base models that failed to load (openrl/model/loadfailures.py)
         self.handoff: SnapshotHandoff | None = None
+        self._pinning: dict[str, int] = {}  # snapshot key -> requests pinning / loading it now
 
     async def start(self, cfg: Settings | dict | None = None) -> None:
         """Open storage and the registry; load the ``preload`` base models.
@@ -216,17 +217,23 @@ class SamplerFunction:
             NotFound: no checkpoint at ``ckpt``. UserError: not a usable adapter.
         """
         key = str(ckpt)
-        held = await asyncio.to_thread(self.handoff.pin, ckpt) if self.handoff is not None else None
-        if held is not None:
-            await engine.ensure_adapter(key, held)  # the pin stays readable: no fallback needed
-            metrics.SNAPSHOT_SOURCE.labels("handoff").inc()
-        else:
-            local = await asyncio.to_thread(self.storage.get_dir, ckpt)
-            await engine.ensure_adapter(key, local)
-            metrics.SNAPSHOT_SOURCE.labels("storage").inc()
-        if self.handoff is not None:  # pins of adapters no engine holds any more
-            loaded = {k for e in self.engines.values() for k in e.loaded_adapters()}
-            await asyncio.to_thread(self.handoff.unpin_except, loaded)
+        self._pinning[key] = self._pinning.get(key, 0) + 1  # no unpin_except drops it meanwhile
+        try:
+            held = await asyncio.to_thread(self.handoff.pin, ckpt) if self.handoff is not None else None
+            if held is not None:
+                await engine.ensure_adapter(key, held)  # the pin stays readable: no fallback needed
+                metrics.SNAPSHOT_SOURCE.labels("handoff").inc()
+            else:
+                local = await asyncio.to_thread(self.storage.get_dir, ckpt)
+                await engine.ensure_adapter(key, local)
+                metrics.SNAPSHOT_SOURCE.labels("storage").inc()
+        finally:
+            self._pinning[key] -= 1
+            if not self._pinning[key]:
+                del self._pinning[key]
+        if self.handoff is not None:  # pins of adapters no engine holds (or is loading) any more
+            keep = {k for e in self.engines.values() for k in e.loaded_adapters()} | set(self._pinning)
+            await asyncio.to_thread(self.handoff.unpin_except, keep)
 
     def _stability(self):
         if self.stability is None:

@@ -26,6 +26,7 @@ STEPS = {
     "conform-C": [".whl/k3"],
     "conform-D": [],
     "conform-R": [".gpu"],
+    "stack-after-conform": [],
 }
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")

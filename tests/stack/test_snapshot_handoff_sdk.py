@@ -22,6 +22,12 @@ def _datum(tokens: list[int]) -> types.Datum:
                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
 
 
+def _env(stack) -> dict:
+    """The environment the stack's processes got beyond this one's (an ``openrl serve`` under test:
+    what conformance.json records)."""
+    return getattr(stack, "extra_env", None) or getattr(stack, "serve_env", None) or {}
+
+
 def _counter(url: str, name: str, label: str) -> float:
     text = httpx.get(url, timeout=10).text
     total = 0.0
@@ -44,7 +50,7 @@ def test_unnamed_snapshot_goes_through_memory_and_becomes_durable(sdk_stack, ser
     path = service.create_rest_client().get_sampler(sc._sampling_session_id).result().model_path
     ckpt = TinkerPath.parse(path)
     root = SnapshotHandoff.root_for(Settings.of({"home": str(sdk_stack.state_dir),
-                                                 "handoff_dir": sdk_stack.extra_env.get("OPENRL_HANDOFF_DIR")}))
+                                                 "handoff_dir": _env(sdk_stack).get("OPENRL_HANDOFF_DIR")}))
     handoff = SnapshotHandoff(root)
     assert handoff.get(ckpt) is not None, "the unnamed snapshot did not go through the handoff"
 
@@ -72,7 +78,7 @@ def _manifest(stack, ckpt: TinkerPath) -> dict:
 
     from openrl.storage import open_storage
 
-    emulator = stack.extra_env.get("STORAGE_EMULATOR_HOST")
+    emulator = _env(stack).get("STORAGE_EMULATOR_HOST")
     if emulator:
         os.environ["STORAGE_EMULATOR_HOST"] = emulator
     try:
