@@ -166,17 +166,33 @@ class SamplerFunction:
         Raises:
             UserError: bad sampling parameters or an unknown snapshot (category "user").
         """
-        from functions.sampler.engine import SampleJob
-
         d = payloads.Sample.parse(events.data_json(event))
         engine = await self._engine(d.base_model)
-        adapter = None
+        adapter = adapter_dir = None
         busy = metrics.busy_clock("sampler")  # openrl_busy_seconds_total: adapter load + sampling
         if d.model_path:
             ckpt = TinkerPath.parse(d.model_path, field="model_path")
             adapter = str(ckpt)
-            with busy.job():
-                await self._ensure_adapter(engine, ckpt)
+            self._pinning[adapter] = self._pinning.get(adapter, 0) + 1  # no unpin drops it meanwhile
+        try:
+            if adapter is not None:
+                adapter_dir = await self._adapter_dir(ckpt)
+            return await self._sample(event, d, engine, adapter, adapter_dir, busy)
+        finally:
+            if adapter is not None:
+                self._pinning[adapter] -= 1
+                if not self._pinning[adapter]:
+                    del self._pinning[adapter]
+                if self.handoff is not None:  # pins of adapters no engine holds (or is loading) any more
+                    keep = {k for e in self.engines.values() for k in e.loaded_adapters()} | set(self._pinning)
+                    await asyncio.to_thread(self.handoff.unpin_except, keep)
+
+    async def _sample(self, event, d: payloads.Sample, engine, adapter: str | None, adapter_dir: Path | None,
+                      busy) -> object:
+        """Run the job of ``d`` on ``engine`` (``adapter`` loaded from ``adapter_dir`` when it is
+        not loaded, atomically with pinning it for this job) and build the result event."""
+        from functions.sampler.engine import SampleJob
+
         sp = d.sampling_params
         stop = [sp.stop] if isinstance(sp.stop, str) else sp.stop
         tpl = d.target_prompt_logprobs
@@ -199,7 +215,7 @@ class SamplerFunction:
         )
         t0 = time.perf_counter()
         with busy.job():
-            res = await engine.sample(job)
+            res = await engine.sample(job, adapter_dir=adapter_dir)
         # usage: generated tokens and engine seconds per owner (concurrent jobs share decode
         # passes, so their seconds overlap)
         metrics.record_sampled(event.get_extension("owner"), sum(len(s.tokens) for s in res.sequences),
@@ -208,32 +224,21 @@ class SamplerFunction:
             await self._stability().put_many(stability_records(event, d, res))
         return events.result_event(event, encode_result(res, tpl), source=SOURCE)
 
-    async def _ensure_adapter(self, engine, ckpt: TinkerPath) -> None:
-        """Load snapshot ``ckpt`` into ``engine`` (a no-op when loaded): from the handoff
-        (:mod:`openrl.storage.handoff`, the co-located trainer's copy in shared memory) when it
-        is there (pinned: :meth:`SnapshotHandoff.pin`), else from storage.
+    async def _adapter_dir(self, ckpt: TinkerPath) -> Path:
+        """The directory to load snapshot ``ckpt`` from: the handoff's (:mod:`openrl.storage.
+        handoff`, the co-located trainer's copy in shared memory, pinned for this process:
+        :meth:`SnapshotHandoff.pin`) when it is there, else storage's.
 
         Raises:
-            NotFound: no checkpoint at ``ckpt``. UserError: not a usable adapter.
+            NotFound: no checkpoint at ``ckpt``.
         """
-        key = str(ckpt)
-        self._pinning[key] = self._pinning.get(key, 0) + 1  # no unpin_except drops it meanwhile
-        try:
-            held = await asyncio.to_thread(self.handoff.pin, ckpt) if self.handoff is not None else None
-            if held is not None:
-                await engine.ensure_adapter(key, held)  # the pin stays readable: no fallback needed
-                metrics.SNAPSHOT_SOURCE.labels("handoff").inc()
-            else:
-                local = await asyncio.to_thread(self.storage.get_dir, ckpt)
-                await engine.ensure_adapter(key, local)
-                metrics.SNAPSHOT_SOURCE.labels("storage").inc()
-        finally:
-            self._pinning[key] -= 1
-            if not self._pinning[key]:
-                del self._pinning[key]
-        if self.handoff is not None:  # pins of adapters no engine holds (or is loading) any more
-            keep = {k for e in self.engines.values() for k in e.loaded_adapters()} | set(self._pinning)
-            await asyncio.to_thread(self.handoff.unpin_except, keep)
+        held = await asyncio.to_thread(self.handoff.pin, ckpt) if self.handoff is not None else None
+        if held is not None:
+            metrics.SNAPSHOT_SOURCE.labels("handoff").inc()
+            return held
+        local = await asyncio.to_thread(self.storage.get_dir, ckpt)
+        metrics.SNAPSHOT_SOURCE.labels("storage").inc()
+        return local
 
     def _stability(self):
         if self.stability is None:

@@ -119,8 +119,8 @@ SNAPSHOT_SAVES = Counter("openrl_trainer_snapshot_saves", "Unnamed sampler snaps
 SNAPSHOT_PERSIST_FAILURES = Counter("openrl_trainer_snapshot_persist_failures",
                                     "Handed-off sampler snapshots whose background write to storage failed "
                                     "(every retry); they stay in the handoff until a trainer writes them")
-SNAPSHOT_SOURCE = Counter("openrl_sampler_snapshot_source", "Adapter directories the sampler opened, by where it "
-                          "found them (handoff: shared memory; storage)", ["source"])
+SNAPSHOT_SOURCE = Counter("openrl_sampler_snapshot_source", "Sample requests on a snapshot, by where the sampler "
+                          "found its directory (handoff: shared memory; storage)", ["source"])
 ADAPTER_LOAD_SECONDS = Histogram("openrl_sampler_adapter_load_seconds", "Seconds the sampler's backend took to "
                                  "load one adapter (vLLM: add_lora, read + cast + pin)", buckets=LATENCY_BUCKETS)
 ADAPTER_CACHE = Counter("openrl_sampler_adapter_cache", "Sampler adapter lookups (hit: already loaded)", ["result"])

@@ -37,6 +37,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -146,18 +147,15 @@ class SnapshotHandoff:
         dest = self._pins() / path.key
         if (dest / META_NAME).is_file():
             return dest
-        tmp = dest.parent / f".tmp-{dest.name}-{time.monotonic_ns()}"
+        tmp = dest.parent / f".tmp-{dest.name}-{threading.get_ident()}-{time.monotonic_ns()}"
         try:
             tmp.mkdir(parents=True)
             for f in src.iterdir():
                 if f.is_file() and f.name != DURABLE_NAME:
                     os.link(f, tmp / f.name)
             os.rename(tmp, dest)
-        except FileExistsError:  # pinned meanwhile by another task of this process
+        except OSError:  # pinned meanwhile by another request of this process (ENOTEMPTY), or evicted
             shutil.rmtree(tmp, ignore_errors=True)
-        except OSError:  # evicted while linking
-            shutil.rmtree(tmp, ignore_errors=True)
-            return None
         return dest if (dest / META_NAME).is_file() else None
 
     def unpin_except(self, keep: set[str]) -> None:

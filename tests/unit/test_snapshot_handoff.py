@@ -156,6 +156,33 @@ def test_a_pin_outlives_eviction_until_unpinned(tmp_path):
     assert not pin.exists()
 
 
+def test_concurrent_pins_of_one_snapshot_all_get_it(tmp_path):
+    """Requests for a new snapshot arrive together (an RL step's prompts): every pin succeeds,
+    whichever renames its links into place first (found on the H200: the losers got None and
+    failed with 'no checkpoint' while the durable write was still under way)."""
+    import threading
+
+    handoff, _storage = _writer(tmp_path)
+    p = _path()
+    handoff.put(p, 1000, _fill(), _meta(p))
+    for round_ in range(20):
+        handoff.unpin_except(set())
+        start = threading.Barrier(8)
+        got: list = []
+
+        def one():
+            start.wait()
+            got.append(handoff.pin(p))
+
+        threads = [threading.Thread(target=one) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(got) == 8 and None not in got and len(set(got)) == 1, round_
+    assert not list(handoff.root.glob(".pins/*/*/*/.tmp-*"))
+
+
 def test_writer_save_falls_back_when_there_is_no_room(tmp_path):
     """SnapshotWriter.save with an engine stand-in (the trainer's export hook on CPU tensors)."""
     handoff, storage = _writer(tmp_path, max_bytes=10)
