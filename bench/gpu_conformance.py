@@ -30,7 +30,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -187,9 +186,13 @@ def conformance_env(state: Path) -> dict[str, str]:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for the serve's gateway: :func:`openrl.transport.embedded.free_port` (below the
+    kernel's ephemeral range, so no outgoing connection takes it before the gateway binds it)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from openrl.transport.embedded import free_port
+
+    return free_port()
 
 
 def start_serve(state: Path, serve_args: str, env: dict[str, str], log: Path, timeout_s: float) -> subprocess.Popen:

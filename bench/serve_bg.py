@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,9 +36,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for the serve's gateway: :func:`openrl.transport.embedded.free_port` (below the
+    kernel's ephemeral range, so no outgoing connection takes it before the gateway binds it)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from openrl.transport.embedded import free_port as pick
+
+    return pick()
 
 
 def healthy(url: str) -> bool:

@@ -62,7 +62,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -76,6 +75,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import stack_shapes as shapes  # noqa: E402
+from openrl.transport.embedded import free_port  # noqa: E402  (below the ephemeral range: see its doc)
 
 BASE = "Qwen/Qwen3-4B-Instruct-2507"
 LO, HI = 1000, 150000  # token ids away from the special tokens (Qwen vocabulary: 151,936)
@@ -111,12 +111,6 @@ def enough(need_s: float, what: str) -> bool:
         return True
     log(what="skipped", part=what, need_s=need_s, left_s=round(left(), 1))
     return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------ the stack

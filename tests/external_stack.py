@@ -93,7 +93,6 @@ class ExternalStack:
     api_key: str
     nats_url: str
     storage: str
-    metrics_urls: dict[str, str]
     procs: list[ExternalProc]
     serve_env: dict[str, str]
     keys: dict[str, str]
@@ -120,8 +119,17 @@ class ExternalStack:
         env = conf.get("env", {})
         return cls(state_dir=state, base_url=ports["gateway"], api_key=(state / "api_key").read_text().strip(),
                    nats_url=ports.get("nats", ""), storage=env.get("OPENRL_STORAGE") or (state / "storage").as_uri(),
-                   metrics_urls=dict(ports.get("metrics", {})), procs=procs, serve_env=env,
+                   procs=procs, serve_env=env,
                    keys=conf.get("keys", {}))
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Process name -> /metrics URL, as ``ports.json`` says now (a restarted worker records
+        its new port there)."""
+        try:
+            return dict(json.loads((self.state_dir / "ports.json").read_text()).get("metrics") or {})
+        except (OSError, ValueError):
+            return {}
 
     @property
     def _internal_token(self) -> str:

@@ -23,7 +23,6 @@ import contextlib
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -31,6 +30,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+
+from openrl.transport.embedded import free_port
 
 
 def emulator_binary() -> Path:
@@ -54,12 +55,6 @@ def emulator_binary() -> Path:
         if not b.exists():
             raise RuntimeError(f"no bundled fake-gcs-server binary at {b}")
         return b
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ready(url: str) -> bool:
@@ -90,7 +85,7 @@ def gcs_emulator(*, backend: str = "filesystem", timeout: float = 20.0, log_leve
     proc: subprocess.Popen | None = None
     try:
         for _attempt in range(3):  # a free port can be taken between probe and bind: retry
-            port = _free_port()
+            port = free_port()  # below the ephemeral range: no client connection takes it meanwhile
             url = f"http://127.0.0.1:{port}"
             with open(log_path, "ab") as log:
                 proc = subprocess.Popen(

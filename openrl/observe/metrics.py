@@ -6,7 +6,7 @@ Every process exports the metrics it moves; scrape them at:
 |---|---|
 | gateway | ``GET /metrics`` on the gateway's own port |
 | HTTP binding (Knative) | ``GET /metrics`` on the function's port |
-| JetStream worker | ``http://<host>:$OPENRL_METRICS_PORT/metrics`` (0 or unset = off); the embedded stack picks free ports and records them in ``<state>/ports.json`` |
+| JetStream worker | ``http://<host>:$OPENRL_METRICS_PORT/metrics`` (0 or unset = off); the embedded stack's workers bind any free port (``--metrics-port auto``) and record it in ``<state>/ports.json`` |
 
 Metric families (all names start with ``openrl_``; ``*_total`` are counters, so
 ``rate(...[1m])`` gives per-second values):
@@ -223,11 +223,13 @@ def exposition() -> tuple[bytes, str]:
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
 
 
-def serve(port: int | None = None, host: str | None = None) -> int:
+def serve(port: int | str | None = None, host: str | None = None) -> int:
     """Serve ``/metrics`` on a background thread (for processes without an HTTP app).
 
     Args:
-        port: TCP port; default ``$OPENRL_METRICS_PORT``. 0 or unset: do nothing.
+        port: TCP port, or ``"auto"``: any free port (the system picks it when the server
+            binds; the return value says which). Default ``$OPENRL_METRICS_PORT``. 0 or
+            unset: do nothing.
         host: bind address; default ``$OPENRL_METRICS_HOST`` or ``0.0.0.0``.
 
     Returns:
@@ -235,17 +237,20 @@ def serve(port: int | None = None, host: str | None = None) -> int:
 
     Raises:
         OSError: the port is taken.
+        ValueError: ``port`` is a string other than ``"auto"``.
     """
     if port is None or not host:
         env = Settings()
         port = env.metrics_port if port is None else port
         host = host or env.metrics_host
+    if isinstance(port, str) and port != "auto":
+        raise ValueError(f"metrics port must be a number or 'auto', got {port!r}")
     if not port:
         return 0
     from prometheus_client import start_http_server
 
-    start_http_server(port, addr=host)
-    return port
+    server, _ = start_http_server(0 if port == "auto" else port, addr=host)
+    return server.server_port
 
 
 # ----- hooks the functions call -------------------------------------------------------------

@@ -8,6 +8,8 @@ Everything lives under a state directory (default ``~/.openrl``):
     <state>/nats                JetStream file storage (reused by the next start)
     <state>/storage             checkpoints (file:// storage)
     <state>/ports.json          gateway / NATS URLs and every process's Prometheus /metrics URL
+                                (openrl/transport/portsfile.py: the workers and the supervisor
+                                bind any free port for /metrics and record it there, at each start)
     <state>/logs                one JSON-lines log per process (openrl/observe/logs.py)
     <state>/api_key             the generated ``tml-`` API key the examples read; the gateway
                                 accepts it (plus any OPENRL_API_KEYS / OPENRL_API_KEYS_FILE
@@ -34,12 +36,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,17 +53,65 @@ from openrl.config import Settings
 from openrl.contract import topology
 from openrl.errors import CLIError
 from openrl.model.registry import ModelRegistry, ensure_built
-from openrl.transport import pidfile, tether
+from openrl.transport import pidfile, portsfile, tether
 
 if TYPE_CHECKING:
     from openrl.transport.supervisor import Supervisor
 
 
+#: Where Linux says which local ports outgoing connections draw from.
+PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+#: The kernel's ephemeral port range where :data:`PORT_RANGE_FILE` cannot be read (Linux's default).
+EPHEMERAL_FALLBACK = (32768, 60999)
+#: :func:`free_port` picks at or above this port, below the ephemeral range.
+PICK_FLOOR = 20000
+_handed_out: set[int] = set()  # every port free_port() returned in this process
+_handed_lock = threading.Lock()
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """(low, high) of the kernel's ephemeral port range, where outgoing connections get their
+    local port (:data:`PORT_RANGE_FILE`; :data:`EPHEMERAL_FALLBACK` when that cannot be read)."""
+    try:
+        low, high = map(int, PORT_RANGE_FILE.read_text().split())
+    except (OSError, ValueError):
+        return EPHEMERAL_FALLBACK
+    return low, high
+
+
 def free_port() -> int:
-    """An unused TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 for a server that binds it later (nats-server, the gateway, a
+    push receiver, a test's fake server).
+
+    A number picked now and bound later can be taken in between; the pick keeps that unlikely:
+    a random port below the kernel's ephemeral range (``[PICK_FLOOR, low)``, or ``[1024, low)``
+    when ``low`` is lower, or above ``high`` when even that is empty), so no outgoing
+    connection (which draws its local port from that range) can take it; one that can be bound
+    now; and never one this process handed out before. Processes that can bind port 0
+    themselves and report what they got should do that instead.
+
+    Raises:
+        OSError: no bindable port was found (the range is exhausted or empty).
+    """
+    low, high = ephemeral_range()
+    pool = range(PICK_FLOOR, low) or range(1024, low) or range(high + 1, 65536)
+    if not pool:
+        raise OSError(f"every TCP port above 1023 is in the ephemeral range {low}-{high}: none to pick")
+    rng = random.SystemRandom()
+    with _handed_lock:
+        for _ in range(min(len(pool), 200)):
+            port = rng.choice(pool)
+            if port in _handed_out:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+    raise OSError(f"no free TCP port found in {pool.start}-{pool.stop - 1} (outside the ephemeral range "
+                  f"{low}-{high})")
 
 
 def wait_port(port: int, timeout_s: float = 30.0) -> None:
@@ -133,7 +185,6 @@ class Stack:
     procs: list[subprocess.Popen | None] = field(default_factory=list)  # None: a worker not started yet
     push: bool = False  # functions as HTTP receivers fed by a local dispatcher (the Knative Eventing path)
     extra_env: dict[str, str] = field(default_factory=dict)  # e.g. STORAGE_EMULATOR_HOST
-    metrics_urls: dict[str, str] = field(default_factory=dict)  # process name -> its Prometheus /metrics URL
     device: str | None = None  # --device: auto | cpu | cuda (None: $OPENRL_DEVICE, else auto)
     trainer_gpu_memory: float | None = None  # --trainer-gpu-memory (None: env, else TRAINER_GPU_MEMORY)
     sampler_gpu_memory: float | None = None  # --sampler-gpu-memory (None: env, else SAMPLER_GPU_MEMORY)
@@ -230,18 +281,20 @@ class Stack:
         specs: list[tuple[str, Callable[[], subprocess.Popen], bool, tuple[str, str] | None]] = [
             ("nats", lambda: start_nats(self.state_dir, self.nats_port), True, None)]
         routes = []
+        known = {"gateway": f"{self.base_url}/metrics"}  # metrics URLs known before anything starts
         for module in ("functions.trainer", "functions.sampler"):
             name = module.split(".")[-1]
-            port = free_port()  # the HTTP receiver (push), or the worker's Prometheus /metrics (pull)
-            if self.push:
+            if self.push:  # the dispatcher needs the receiver's URL up front: a picked port
+                port = free_port()
                 cmd = [sys.executable, "-m", "openrl.transport.bindings.http", module, "--host", "127.0.0.1", "--port", str(port)]
                 routes += ["--route", f"{name}=http://127.0.0.1:{port}"]
+                known[name] = f"http://127.0.0.1:{port}/metrics"
                 cons = None  # the dispatcher consumes; the receivers stay up
-            else:
-                cmd = [sys.executable, "-m", "openrl.transport.worker", module, "--nats", self.nats_url, "--metrics-port", str(port)]
+            else:  # each start binds any free port for /metrics and records it in ports.json
+                cmd = [sys.executable, "-m", "openrl.transport.worker", module, "--nats", self.nats_url,
+                       "--metrics-port", "auto", "--ports-file", str(self.ports_file)]
                 c = topology.consumer(name)
                 cons = (c.stream, c.durable)
-            self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
             specs.append((name, _spawner(cmd, {**env, "OPENRL_METRICS_HOST": "127.0.0.1"}, logs / f"{name}.log"),
                           False, cons))
         if self.push:
@@ -256,12 +309,14 @@ class Stack:
         self._log_offsets = {name: _size(self._log_of(name)) for name, *_ in specs}
         # supervised, only nats-server and the gateway must come up here; the supervisor restarts the others
         self._must_live = {i for i, (_, _, critical, _) in enumerate(specs) if critical or not self.supervise}
+        # a new file: no URL of a previous stack in this state dir is left in it
+        portsfile.update(self.ports_file, fresh=True, gateway=self.base_url, nats=self.nats_url, metrics=known)
         for _, spawn, _, cons in specs:  # workers that scale to zero start at zero (unless --model preloads)
             self.procs.append(None if cons and self._starts_at_zero else spawn())
-        self.metrics_urls["gateway"] = f"{self.base_url}/metrics"
-        self.write_ports()
         try:
             self._wait_healthy()
+            self._wait_reported({i: name for i, (name, _, _, cons) in enumerate(specs)
+                                 if cons and self.procs[i] is not None})
         except BaseException:  # nothing of a stack that did not start stays behind
             self.stop()
             raise
@@ -294,28 +349,58 @@ class Stack:
         if self.push and self.idle_timeout:
             print("openrl: --idle-timeout is ignored with --push (the dispatcher, not a queue poll, feeds the "
                   "functions); they stay up", file=sys.stderr)
-        port = free_port()
         self.supervisor = Supervisor(managed, self.procs, nats_url=self.nats_url,
                                      state_file=self.state_dir / "supervisor.json",
                                      idle_timeout_s=0.0 if self.push else self.idle_timeout,
                                      info={"gateway": self.base_url, "pid": os.getpid()},
                                      start_failures=cfg.start_failures, failing_retry_s=cfg.failing_retry_s,
-                                     ack_wait_s=cfg.ack_wait_s).start(metrics_port=port)
-        self.metrics_urls["supervisor"] = f"http://127.0.0.1:{port}/metrics"
-        self.write_ports()
+                                     ack_wait_s=cfg.ack_wait_s).start(metrics_port=0)  # any free port
+        portsfile.update(self.ports_file,
+                         metrics={"supervisor": portsfile.metrics_url("127.0.0.1", self.supervisor.metrics_port)})
 
     @property
     def fatal(self) -> str | None:
         """Why the supervisor gave up (nats-server or the gateway kept dying), else None."""
         return self.supervisor.fatal if self.supervisor is not None else None
 
-    def write_ports(self) -> Path:
-        """Write ``<state>/ports.json``: ``{"gateway": URL, "nats": URL, "metrics": {name: URL}}``
-        (where ``openrl status`` and Prometheus find the processes). Returns its path."""
-        f = self.state_dir / "ports.json"
-        f.write_text(json.dumps({"gateway": self.base_url, "nats": self.nats_url, "metrics": self.metrics_urls},
-                                indent=2) + "\n")
-        return f
+    @property
+    def ports_file(self) -> Path:
+        """``<state>/ports.json``: ``{"gateway": URL, "nats": URL, "metrics": {name: URL}}`` (where
+        ``openrl status`` and Prometheus find the processes; :mod:`openrl.transport.portsfile`)."""
+        return self.state_dir / portsfile.FILE
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Process name -> its Prometheus /metrics URL, as ``<state>/ports.json`` says now: a JetStream
+        worker's is its latest start's (each start binds a new port and records it; a worker
+        still at zero has none yet)."""
+        return dict(portsfile.read(self.ports_file).get("metrics") or {})
+
+    def _wait_reported(self, workers: dict[int, str], timeout_s: float = 120.0) -> None:
+        """Block until each worker of ``workers`` (slot -> name) has recorded its metrics URL in
+        ``<state>/ports.json``, or (supervised) exited: the supervisor restarts it.
+
+        Raises:
+            openrl.errors.CLIError: a worker that must live exited first, or one did not record
+                its URL within ``timeout_s`` seconds.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            urls = self.metrics_urls
+            waiting = {}
+            for i, name in workers.items():
+                exited = self.procs[i].poll() is not None
+                if exited and i in self._must_live:
+                    raise CLIError(f"the {name} worker exited with {self.procs[i].returncode} while the stack "
+                                   f"started; its log is in {self._log_of(name)}")
+                if name not in urls and not exited:
+                    waiting[i] = name
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise CLIError(f"{', '.join(waiting.values())} did not record a metrics port in {self.ports_file} "
+                               f"within {timeout_s:g} s; logs in {self.state_dir / 'logs'}")
+            time.sleep(0.1)
 
     def _wait_healthy(self, timeout_s: float = 120.0) -> None:
         import httpx

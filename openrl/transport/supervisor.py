@@ -47,8 +47,9 @@
 
 What it sees is written every poll (when it changed, and at least every second) to
 ``<state>/supervisor.json`` (:meth:`Supervisor.snapshot`; ``openrl status`` prints it) and served
-as Prometheus metrics on the port given to :meth:`Supervisor.start`
-(``openrl_worker_restarts_total``, ``openrl_function_processes``, ``openrl_function_idle_seconds``,
+as Prometheus metrics on the port given to :meth:`Supervisor.start` (0: any free port,
+:attr:`Supervisor.metrics_port` says which;
+``openrl_worker_restarts_total``, ``openrl_function_processes``, ``openrl_function_idle_seconds``,
 ``openrl_function_failing``).
 """
 
@@ -216,9 +217,14 @@ class Supervisor:
             self.up.labels(m.name).set(0 if procs[m.slot] is None else 1)
 
     # ----- lifecycle ----------------------------------------------------------------------
-    def start(self, metrics_port: int = 0, metrics_host: str = "127.0.0.1") -> "Supervisor":
-        """Start watching on a daemon thread; serve the metrics on ``metrics_port`` (0: not at all)."""
-        if metrics_port:
+    def start(self, metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> "Supervisor":
+        """Start watching on a daemon thread; serve the metrics on ``metrics_port`` (0: any free
+        port, :attr:`metrics_port` says which; None: not at all).
+
+        Raises:
+            OSError: the metrics port is taken.
+        """
+        if metrics_port is not None:
             from prometheus_client import start_http_server
 
             self._http, _ = start_http_server(metrics_port, addr=metrics_host, registry=self.registry)
@@ -227,6 +233,11 @@ class Supervisor:
                                         daemon=True)
         self._thread.start()
         return self
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port the metrics are served on (None: not served, or stopped)."""
+        return self._http.server_port if self._http is not None else None
 
     def halt(self) -> None:
         """Stop restarting and scaling at once, without waiting (safe in a signal handler: Ctrl-C

@@ -4,7 +4,9 @@
     python -m openrl.transport.worker functions.sampler --nats nats://127.0.0.1:4222
 
 Logs are JSON lines (:mod:`openrl.observe.logs`); Prometheus metrics are served on
-``--metrics-port`` / ``$OPENRL_METRICS_PORT`` (0 = off, :mod:`openrl.observe.metrics`); traces are
+``--metrics-port`` / ``$OPENRL_METRICS_PORT`` (0 = off, :mod:`openrl.observe.metrics`;
+``--metrics-port auto``: any free port, recorded with ``--ports-file <state>/ports.json`` as
+:mod:`openrl.transport.portsfile` says, which is how the embedded stack starts it); traces are
 exported when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (:mod:`openrl.observe.tracing`).
 
 A start that raises (an import error, a setting the Function refuses, NATS unreachable) ends
@@ -47,6 +49,7 @@ from openrl.config import Settings
 from openrl.errors import first_line
 from openrl.contract.function import probe
 from openrl.observe import metrics, startup
+from openrl.transport import portsfile
 from openrl.transport.bindings import load_function
 from openrl.transport.bindings.jetstream import JetStreamWorker
 from openrl.contract import topology
@@ -279,6 +282,20 @@ async def serve(module: str, nats_url: str | None, shard: int, cfg: "Settings | 
     await bus.close()
 
 
+def _metrics_port(value: str) -> int | str:
+    """``--metrics-port``: a port number, or ``auto`` (any free port).
+
+    Raises:
+        argparse.ArgumentTypeError: neither.
+    """
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port number or 'auto', not {value!r}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command line: see the module doc."""
     ap = argparse.ArgumentParser(prog="python -m openrl.transport.worker")
@@ -289,8 +306,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="JSON object of settings for the Function's start(), over the OPENRL_* environment "
                          "(field names of openrl.config.Settings)")
     ap.add_argument("--drain-s", type=float, default=30.0)
-    ap.add_argument("--metrics-port", type=int, default=None,
-                    help="serve Prometheus /metrics on this port (default $OPENRL_METRICS_PORT; 0 = off)")
+    ap.add_argument("--metrics-port", type=_metrics_port, default=None,
+                    help="serve Prometheus /metrics on this port, or 'auto': any free port "
+                         "(default $OPENRL_METRICS_PORT; 0 = off)")
+    ap.add_argument("--ports-file", default=None,
+                    help="record the metrics URL served as metrics.<function> in this ports.json "
+                         "(openrl.transport.portsfile; the embedded stack's <state>/ports.json)")
     args = ap.parse_args(argv)
     from openrl.observe import logs
     from openrl.observe import tracing
@@ -307,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
                          host=cfg.metrics_host)
     if port:
         log.info("metrics on :%d/metrics", port)
+        if args.ports_file:
+            portsfile.update(args.ports_file, metrics={name: portsfile.metrics_url(cfg.metrics_host, port)})
     try:
         asyncio.run(serve(args.module, None, args.shard, cfg, args.drain_s))
     except StartFailed:

@@ -11,7 +11,8 @@ worker processes, the unmodified ``tinker`` SDK, real signals.
   point of ``openrl/testhooks.py``): the supervisor restarts it, the request is redelivered
   and applied once on the restored state, so the run's logprobs and weights equal an
   uninterrupted twin's; the sampler and the gateway kept their processes; the restart is
-  counted in the supervisor's ``/metrics`` and in ``openrl status``.
+  counted in the supervisor's ``/metrics`` and in ``openrl status``; the new trainer's own
+  ``/metrics`` URL (a port it bound itself) is the one ``<state>/ports.json`` gives.
 - the gateway dying three times within a minute stops the stack with a message naming it.
 """
 
@@ -60,6 +61,16 @@ def supervised_stack(tmp_path_factory, models_dir, idle_timeout: float, **env):
 def scrape(stack) -> str:
     url = json.loads((stack.state_dir / "ports.json").read_text())["metrics"]["supervisor"]
     return httpx.get(url, timeout=10).text
+
+
+def _trainer_metrics_url(stack) -> str | None:
+    """The trainer's /metrics URL from ``<state>/ports.json`` when a trainer answers there, else None."""
+    url = json.loads((stack.state_dir / "ports.json").read_text())["metrics"]["trainer"]
+    try:
+        r = httpx.get(url, timeout=10)
+    except httpx.HTTPError:  # the killed trainer's port, before the new one recorded its own
+        return None
+    return url if r.status_code == 200 and 'function="trainer"' in r.text else None
 
 
 def status_json(capsys, stack) -> dict:
@@ -120,6 +131,9 @@ def test_trainer_sigkilled_mid_run_is_restarted_and_the_run_goes_on(sstack, caps
 
     new = sup.proc("trainer")
     assert new.pid != trainer.pid and new.poll() is None
+    # the new trainer bound a metrics port of its own and recorded it: the URL in ports.json answers
+    url = wait_for(lambda: _trainer_metrics_url(sstack), "the restarted trainer's metrics URL in ports.json")
+    assert sstack.metrics_urls["trainer"] == url
     # the others kept serving in their own processes
     assert sup.proc("sampler") is sampler and sampler.poll() is None
     assert sup.proc("gateway") is gateway and gateway.poll() is None

@@ -1,0 +1,92 @@
+"""``free_port()`` (openrl/transport/embedded.py) and ``<state>/ports.json`` (openrl/transport/portsfile.py).
+
+A port picked now and bound later by another process must not be one an outgoing connection
+can take meanwhile (issue 34 item 4: the sampler's metrics port was taken between pick and
+bind): ``free_port`` picks below the kernel's ephemeral range, and never the same port twice in
+one process. Several processes record their metrics URLs in one ports.json: no update is lost.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from openrl.transport import embedded, portsfile
+from openrl.transport.embedded import ephemeral_range, free_port
+
+
+def test_ports_are_below_the_ephemeral_range_distinct_and_bindable():
+    low, _ = ephemeral_range()
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= p < low for p in ports), (low, min(ports), max(ports))
+    for p in ports[:20]:  # free now: nothing listens there
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+
+
+def test_ephemeral_range_falls_back_when_unreadable(monkeypatch, tmp_path):
+    monkeypatch.setattr(embedded, "PORT_RANGE_FILE", tmp_path / "missing")
+    assert ephemeral_range() == embedded.EPHEMERAL_FALLBACK
+    (tmp_path / "garbled").write_text("not numbers\n")
+    monkeypatch.setattr(embedded, "PORT_RANGE_FILE", tmp_path / "garbled")
+    assert ephemeral_range() == embedded.EPHEMERAL_FALLBACK
+    (tmp_path / "range").write_text("40000\t50000\n")
+    monkeypatch.setattr(embedded, "PORT_RANGE_FILE", tmp_path / "range")
+    assert ephemeral_range() == (40000, 50000)
+    assert all(embedded.PICK_FLOOR <= free_port() < 40000 for _ in range(20))
+
+
+@pytest.mark.parametrize("low,high,expect", [(15000, 60999, range(1024, 15000)), (1024, 60000, range(60001, 65536))])
+def test_a_low_ephemeral_range_moves_the_pick_outside_it(monkeypatch, low, high, expect):
+    monkeypatch.setattr(embedded, "ephemeral_range", lambda: (low, high))
+    assert all(free_port() in expect for _ in range(20))
+
+
+def test_no_port_outside_the_ephemeral_range_raises(monkeypatch):
+    monkeypatch.setattr(embedded, "ephemeral_range", lambda: (1024, 65535))
+    with pytest.raises(OSError, match="ephemeral range"):
+        free_port()
+
+
+def test_concurrent_updates_of_ports_json_lose_nothing(tmp_path):
+    f = tmp_path / "ports.json"
+    portsfile.update(f, fresh=True, gateway="http://127.0.0.1:1", metrics={"gateway": "http://127.0.0.1:1/metrics"})
+
+    def record(worker: int) -> None:
+        for i in range(25):
+            portsfile.update(f, metrics={f"w{worker}-{i}": f"http://127.0.0.1:{20000 + 100 * worker + i}/metrics"})
+
+    threads = [threading.Thread(target=record, args=(w,)) for w in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    doc = portsfile.read(f)
+    assert doc["gateway"] == "http://127.0.0.1:1"
+    assert len(doc["metrics"]) == 1 + 6 * 25
+    # a fresh write forgets what a previous stack recorded
+    portsfile.update(f, fresh=True, gateway="http://127.0.0.1:2")
+    assert portsfile.read(f) == {"gateway": "http://127.0.0.1:2", "metrics": {}}
+
+
+def test_metrics_url_names_a_wildcard_bind_as_loopback():
+    assert portsfile.metrics_url("0.0.0.0", 9100) == "http://127.0.0.1:9100/metrics"
+    assert portsfile.metrics_url("127.0.0.1", 9100) == "http://127.0.0.1:9100/metrics"
+    assert portsfile.metrics_url("::1", 9100) == "http://[::1]:9100/metrics"
+
+
+def test_worker_metrics_port_is_a_number_or_auto():
+    import argparse
+
+    from openrl.observe import metrics
+    from openrl.transport.worker import _metrics_port
+
+    assert _metrics_port("auto") == "auto" and _metrics_port("9100") == 9100 and _metrics_port("0") == 0
+    with pytest.raises(argparse.ArgumentTypeError, match="'auto'"):
+        _metrics_port("any")
+    with pytest.raises(ValueError, match="'auto'"):
+        metrics.serve("any", host="127.0.0.1")
+    assert metrics.serve(0, host="127.0.0.1") == 0  # off
