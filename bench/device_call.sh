@@ -20,9 +20,9 @@ set -u
 STEPS=(
   "cobatch-peft|.whl/c1 .vllm-h200|bench/gpu_call1.sh|issue 8, call 1 of 2 (fresh machine): unpacks vLLM part A, writes the Qwen3-4B-shaped model + 8 adapters, the transformers + peft baseline (B=1 K=8, B=8 K=4) and bench/cobatch_h200.py in one job; out: cobatch.jsonl, profile_cobatch8.txt, peft_b1.jsonl, peft_b8.jsonl, logs1.tgz"
   "sampler-hf-vllm|.whl/c2 .vllm-h200|bench/gpu_call2.sh|issue 8, call 2 of 2 (after cobatch-peft): completes vLLM, bench/sampler_h200.py with the transformers then the vLLM backend (.vllm-h200/bench.py if vLLM fails); out: sampler_hf.jsonl, sampler_vllm.jsonl, [results_a1.json], logs2.tgz"
-  "stack-cold|.gpu .whl/s1|bench/stack_call1.sh|fresh machine: installs the stack's wheels, unpacks vLLM part A, writes the model, openrl serve -> first forward_backward twice (cold, warm), the peft sampling baseline (B=8 K=4); SETUP=0 COLD=0 PEFT=0 COLD_ARGS; out: stack.jsonl, stack.md, peft_b8.jsonl, logs1.tgz"
-  "stack-sft|.gpu .whl/s1|bench/stack_callA.sh|fresh machine, the training side in one job: wheels, vLLM part A, the model, stack_h200.py --sections sft (1/2/4/8 SDK runs), cobatch_h200.py --sections cobatch, peft B=1 K=8; out: stack.jsonl, stack.md, cobatch.jsonl, peft_b1.jsonl, logsA.tgz"
-  "stack-keep-vllm|.whl/s2|bench/stack_callB.sh|after stack-sft: keeps the first part of vLLM's compiled library for stack-sample-rl (vLLM does not fit one call's 64 MiB)"
+  "stack-cold|.gpu .whl/s1|bench/stack_call1.sh|fresh machine: installs the stack's wheels, keeps the first part of vLLM's A.tar.xz, writes the model, openrl serve -> first forward_backward twice (cold, warm), the peft sampling baseline (B=8 K=4); SETUP=0 COLD=0 PEFT=0 COLD_ARGS; out: stack.jsonl, stack.md, peft_b8.jsonl, logs1.tgz"
+  "stack-sft|.gpu .whl/s1|bench/stack_callA.sh|fresh machine, the training side in one job: wheels, the first part of vLLM's A.tar.xz, the model, stack_h200.py --sections sft (1/2/4/8 SDK runs), cobatch_h200.py --sections cobatch, peft B=1 K=8; out: stack.jsonl, stack.md, cobatch.jsonl, peft_b1.jsonl, logsA.tgz"
+  "stack-keep-vllm|.whl/s2|bench/stack_callB.sh|after stack-sft: completes and unpacks vLLM's A.tar.xz, keeps the first part of vLLM's compiled library for stack-sample-rl (vLLM does not fit one call's 64 MiB)"
   "stack-sample-rl|.whl/s3|bench/stack_call3.sh|after stack-keep-vllm: completes vLLM, stack_h200.py --sections sample,rl,cold (128 SDK samples over 8 snapshots, RL steps, the direct SamplerEngine ratio, the warm restart); CALL3_ARGS; out: stack.jsonl, stack.md, logs3.tgz"
   "stack-sweep|.whl/s4|bench/stack_call4.sh|after stack-sample-rl: installs optuna & co. (.whl/s4), bench/autoresearch_sweep.sh through openrl serve (8 experiments one after another vs at once, idle to zero); N STEPS IDLE ROWS; out: ar/sweep.json, ar/*.log, logs4.tgz"
   "conform-A|.gpu .whl/k1|bench/conform_call.sh A|conformance 1/4 (fresh machine): wheels, the model, openrl serve (transformers sampler), test_request_mix, test_reference_peft, test_sampler_trainer_parity; AFILES AK MIX_N SFT_STEPS REF_LR; out: A/, logsA.tgz"
@@ -125,8 +125,8 @@ step_sampler_hf_vllm() {
 # ---- through the stack (issues 12, 15) ---------------------------------------------------------------------
 # stack-cold: start-up and peft-sampling call (run alone, or instead of stack-sft when cold start is what you
 # need; the training side, same job with the engine and peft, is stack-sft), on a fresh H200 machine:
-#   - installs the stack's wheels (.gpu/wheels) into $WORK/stk; unpacks vLLM part A (.whl/s1) into $WORK/site
-#     in the background (CPU only; the _C library comes in the later calls)
+#   - installs the stack's wheels (.gpu/wheels) into $WORK/stk; keeps the first part of vLLM's A.tar.xz (.whl/s1)
+#     in $WORK/parts (stack-keep-vllm completes and unpacks it; the _C library comes in the later calls)
 #   - writes the Qwen3-4B-shaped random bf16 model $WORK/q4b with the Qwen tokenizer (.gpu/tok)
 #   - bench/stack_h200.py --sections cold --no-cold-sample: openrl serve on a new state dir -> first
 #     forward_backward, twice (the second on warm caches); this also checks that the stack runs here
@@ -141,10 +141,7 @@ step_sampler_hf_vllm() {
 step_stack_cold() {
   L=$WORK/logs1; rm -rf "$L"; mkdir -p "$L"
   el start; gpu_info
-  [ "${SETUP:-1}" = 1 ] && ( cp .whl/s1/* "$PARTS"/ && cd "$PARTS" && sha256sum -c SUMS1 \
-    && "$PY" -c "import tarfile; tarfile.open('$PARTS/A.tar.xz','r:xz').extractall('$SITE', filter='fully_trusted')" \
-    && rm -f "$PARTS/A.tar.xz" && echo UNPACK_A_OK ) > "$L/unpack_a.log" 2>&1 &
-  UP=$!
+  [ "${SETUP:-1}" = 1 ] && cp .whl/s1/* "$PARTS"/   # the first part of vLLM's A.tar.xz (stack-keep-vllm unpacks it)
   if [ "$DRY" != 1 ] && [ "${SETUP:-1}" = 1 ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$STK" .gpu/wheels/*.whl > "$L/pip_stk.log" 2>&1
     el "stack wheels rc=$? ($(ls .gpu/wheels | wc -l) wheels)"; tail -3 "$L/pip_stk.log"
@@ -165,22 +162,19 @@ step_stack_cold() {
     B=8 K=4 NEW_TOKENS=32 timeout $(( $(left) - 20 )) "$PY" bench/peft_baseline_h200.py > "$O/peft_b8.jsonl" 2> "$L/peft_b8.err"
     el "peft b8 rc=$?"; cut -c1-250 "$O/peft_b8.jsonl"; tail -2 "$L/peft_b8.err"
   fi
-  [ "${SETUP:-1}" = 1 ] && wait $UP; el "unpack A rc=$?"; tail -1 "$L/unpack_a.log"; du -sh "$SITE" 2>/dev/null; ls -la "$PARTS"
+  ls -la "$PARTS"
   pack_logs logs1 "$L"; el "call1 done"
 }
 
 # stack-sft: on a fresh H200 machine, the training side in one job.
-#   installs the stack's wheels, unpacks vLLM part A in the background, writes the Qwen3-4B-shaped model, then
+#   installs the stack's wheels, keeps the first part of vLLM's A.tar.xz, writes the Qwen3-4B-shaped model, then
 #   bench/stack_h200.py --sections sft (1/2/4/8 SDK runs through openrl serve), bench/cobatch_h200.py
 #   --sections cobatch (the engine alone, same shapes), bench/peft_baseline_h200.py B=1 K=8 (peft, one run
 #   after another): every ratio is same machine, same job. Follow at once with stack-keep-vllm, stack-sample-rl.
 step_stack_sft() {
   L=$WORK/logsA; rm -rf "$L"; mkdir -p "$L"
   el start; gpu_info
-  ( cp .whl/s1/* "$PARTS"/ && cd "$PARTS" && sha256sum -c SUMS1 \
-    && "$PY" -c "import tarfile; tarfile.open('$PARTS/A.tar.xz','r:xz').extractall('$SITE', filter='fully_trusted')" \
-    && rm -f "$PARTS/A.tar.xz" && echo UNPACK_A_OK ) > "$L/unpack_a.log" 2>&1 &
-  UP=$!
+  cp .whl/s1/* "$PARTS"/   # the first part of vLLM's A.tar.xz (stack-keep-vllm unpacks it)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$STK" .gpu/wheels/*.whl > "$L/pip_stk.log" 2>&1
   el "stack wheels rc=$?"
   stack_path
@@ -195,7 +189,6 @@ step_stack_sft() {
     B=1 K=8 SKIP_SAMPLE=1 timeout $(( $(left) - 15 )) "$PY" bench/peft_baseline_h200.py > "$O/peft_b1.jsonl" 2> "$L/peft_b1.err"
     el "peft b1 rc=$?"; cut -c1-250 "$O/peft_b1.jsonl"
   fi
-  wait $UP; el "unpack A rc=$?"; tail -1 "$L/unpack_a.log"
   pack_logs logsA "$L"; el "callA done"
 }
 
@@ -204,6 +197,10 @@ step_stack_sft() {
 step_stack_keep_vllm() {
   [ -x "$STK/bin/nats-server" ] || { echo "NOT WARM: run step stack-sft first"; exit 3; }
   cp .whl/s2/* "$PARTS"/ && el "part 2 kept: $(ls -la "$PARTS" | tail -n +2 | awk '{print $NF, $5}' | tr '\n' ' ')"
+  ( cd "$PARTS" && cat A.tar.xz.000 A.tar.xz.001 > A.tar.xz && sha256sum -c SUMS_A \
+    && "$PY" -c "import tarfile; tarfile.open('$PARTS/A.tar.xz','r:xz').extractall('$SITE', filter='fully_trusted')" \
+    && rm -f A.tar.xz A.tar.xz.000 A.tar.xz.001 && echo UNPACK_A_OK ) 2>&1 | tail -2
+  el "unpack A done"
 }
 
 # stack-sample-rl: right after stack-keep-vllm on the same machine:

@@ -6,9 +6,11 @@
 #   call 1  .gpu/wheels  the stack's wheels the GPU image lacks (as ../shared/gpu-stack/build_payload.sh:
 #                        gateway / NATS / SDK side, at this .venv's versions, for CPython 3.12)
 #           .gpu/tok     the Qwen tokenizer files of the built tiny model (tokenizer.json xz-packed)
-#           .whl/s1      A.tar.xz: vLLM 0.24.0's site dir minus vllm/_C_stable_libtorch.abi3.so, plus the
-#                        23 wheels vLLM's offline LLM path needs (as ../shared/vllm-h200/build_payload.sh)
-#   call 2  .whl/s2      C.so.xz.000: the first 50 MiB of the xz-packed _C_stable_libtorch.abi3.so (81 MiB)
+#           .whl/s1      A.tar.xz.000: the first 28 MiB of A.tar.xz (vLLM 0.24.0's site dir minus
+#                        vllm/_C_stable_libtorch.abi3.so, plus the 23 wheels vLLM's offline LLM path needs, as
+#                        ../shared/vllm-h200/build_payload.sh)
+#   call 2  .whl/s2      A.tar.xz.001 (the rest of A) + SUMS_A, C.so.xz.000: the first 44 MiB of the xz-packed
+#                        _C_stable_libtorch.abi3.so (81 MiB)
 #   call 3  .whl/s3      C.so.xz.001 (the rest) + SUMS (sha256 of the whole C.so.xz)
 #   call 4  .whl/s4      optuna, matplotlib and their wheels: the autoresearch sweep (step stack-sweep)
 # (call 1 = step stack-sft or stack-cold, 2 = stack-keep-vllm, 3 = stack-sample-rl, 4 = stack-sweep:
@@ -92,18 +94,20 @@ if [ "${SKIP_VLLM:-0}" != 1 ] && { [ "${REBUILD:-0}" = 1 ] || [ ! -s $ST/A.tar.x
 fi
 if [ "${SKIP_VLLM:-0}" != 1 ]; then   # (the archives in $ST are reused unless REBUILD=1)
   rm -rf .whl/s1 .whl/s2 .whl/s3 && mkdir -p .whl/s1 .whl/s2 .whl/s3
-  cp $ST/A.tar.xz .whl/s1/
-  (cd .whl/s1 && sha256sum A.tar.xz > SUMS1)
-  # call 2 carries the first C2_MIB (default 50) MiB of C.so.xz, call 3 the rest (~31 MiB): room left in
-  # both for a bigger checkout
-  python3 - "$ST/C.so.xz" "${C2_MIB:-50}" <<'PY'
+  # call 1 carries .gpu and the first A1_MIB (default 28) MiB of A.tar.xz (.gpu + all of A + the checkout passed
+  # 64 MiB on 2026-12-04), call 2 the rest of A (it unpacks A) and the first C2_MIB (default 44) MiB of C.so.xz,
+  # call 3 the rest of C (~37 MiB)
+  python3 - "$ST/A.tar.xz" "${A1_MIB:-28}" "$ST/C.so.xz" "${C2_MIB:-44}" <<'PY'
 import sys
-src, c2 = sys.argv[1], float(sys.argv[2])
-data = open(src, "rb").read()
-cut = int(c2 * 2**20)
-open(".whl/s2/C.so.xz.000", "wb").write(data[:cut])
-open(".whl/s3/C.so.xz.001", "wb").write(data[cut:])
+a_src, a1, c_src, c2 = sys.argv[1], float(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+a, c = open(a_src, "rb").read(), open(c_src, "rb").read()
+ca, cc = int(a1 * 2**20), int(c2 * 2**20)
+open(".whl/s1/A.tar.xz.000", "wb").write(a[:ca])
+open(".whl/s2/A.tar.xz.001", "wb").write(a[ca:])
+open(".whl/s2/C.so.xz.000", "wb").write(c[:cc])
+open(".whl/s3/C.so.xz.001", "wb").write(c[cc:])
 PY
+  sha256sum $ST/A.tar.xz | sed "s|$ST/||" > .whl/s2/SUMS_A
   sha256sum $ST/C.so.xz | sed "s|$ST/||" > .whl/s3/SUMS
 fi
 
