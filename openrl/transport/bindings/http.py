@@ -16,6 +16,15 @@
   its model, and again once draining started).
 - On SIGTERM uvicorn stops accepting, finishes requests in flight, then the lifespan
   calls the Function's ``stop()`` (drain and flush).
+- A redelivered event joins its running handler. Knative's queue-proxy and activator answer
+  ``504`` to a request that sent no response byte within the revision's
+  ``responseStartTimeoutSeconds`` (this binding answers only when the handler is done), and
+  the Trigger then delivers the same event again. The handler runs in a task of its own that
+  the caller giving up does not cancel, and a delivery of the same event (CloudEvent
+  ``source``, ``id`` and ``type``, same body) while it runs waits for that task instead of starting the
+  work again, so a handler slower than the limit still answers once, on a retry
+  (docs/knative-review.md, "Request limits"). The same id with another body runs on its own
+  (the Function judges it: the trainer refuses a seq_id reused with other content).
 
 The business handler is the same ``handle`` the JetStream binding calls.
 """
@@ -23,7 +32,10 @@ The business handler is the same ``handle`` the JetStream binding calls.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import hashlib
 import json
+import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -34,6 +46,8 @@ from openrl.contract.function import probe
 
 from openrl.contract import events, topology
 from openrl.transport.bindings import handle_event, load_function
+
+log = logging.getLogger("openrl.transport.bindings.http")
 
 
 def create_app(function, cfg: "Settings | dict | None" = None, *, source: str = "/openrl/function") -> FastAPI:
@@ -59,6 +73,13 @@ def create_app(function, cfg: "Settings | dict | None" = None, *, source: str = 
         await function.stop()
 
     app = FastAPI(lifespan=lifespan)
+    running: dict[tuple[str, str, str, bytes], asyncio.Task] = {}  # (source, id, type, body digest) -> handler
+
+    def _done(key, task: asyncio.Task) -> None:
+        if running.get(key) is task:
+            del running[key]
+        if not task.cancelled() and task.exception() is not None:  # retrieved: every caller may be gone
+            log.warning("handler of %s failed: %r", key[1], task.exception())
 
     @app.get("/healthz/live")
     async def live():
@@ -84,7 +105,17 @@ def create_app(function, cfg: "Settings | dict | None" = None, *, source: str = 
             event = events.from_headers_body(dict(request.headers), body)
         except Exception as exc:  # noqa: BLE001 - anything unparsable is the sender's fault
             return JSONResponse({"detail": f"not a CloudEvent: {exc}"}, status_code=400)
-        result = await handle_event(function, event, source=source)
+        key = (str(event.get_source()), str(event.get_id()), str(event.get_type()), hashlib.sha256(body).digest())
+        task = running.get(key)
+        if task is None:
+            task = asyncio.create_task(handle_event(function, event, source=source))
+            running[key] = task
+            task.add_done_callback(lambda t, k=key: _done(k, t))
+        else:
+            log.info("event %s delivered again while its handler runs: waiting for that one", key[1])
+        # shielded: a caller that gives up (a 504 from queue-proxy, a delivery timeout) leaves the
+        # handler running for the retry that joins it
+        result = await asyncio.shield(task)
         if result is None:
             return Response(status_code=202)
         headers, out = events.to_headers_body(result)
