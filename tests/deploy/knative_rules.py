@@ -8,8 +8,9 @@ Serving 1.23 (``knative/serving`` tag ``knative-v1.23.0``), Eventing 1.22 (``kna
 eventing-natss 1.22 (``knative-v1.22.0``).
 
 The rules are re-stated here from reading the controllers (``pkg/apis/serving/k8s_validation.go``,
-``fieldmask.go``, ``v1/revision_defaults.go``, ``pkg/reconciler/revision/resources/deploy.go``,
-``queue.go``, ``pkg/apis/autoscaling/annotation_validation.go``, eventing's
+``fieldmask.go``, ``v1/revision_defaults.go``, ``pkg/apis/config/defaults.go``,
+``pkg/reconciler/revision/resources/deploy.go``, ``queue.go``, ``pkg/http/handler/timeout.go``
+(queue-proxy's and the activator's request limits), ``pkg/apis/autoscaling/annotation_validation.go``, eventing's
 ``trigger_validation.go`` and ``duck/v1/delivery_types.go``); no Knative code is copied.
 """
 
@@ -43,7 +44,10 @@ SERVING_DEFAULT_FEATURES = {"multi-container", "kubernetes.podspec-volumes-empty
 #: Registries whose tags Knative does not resolve to digests in a stock install
 #: (config-deployment ``registries-skipping-tag-resolving``).
 DEFAULT_SKIP_TAG_RESOLVING = {"kind.local", "ko.local", "dev.local"}
-#: config-defaults in a stock install.
+#: config-defaults in a stock install (``pkg/apis/config/defaults.go``); a stock
+#: ``revision-response-start-timeout-seconds`` is ``revision-timeout-seconds``, a stock
+#: ``revision-idle-timeout-seconds`` 0 (no limit).
+STOCK_REVISION_TIMEOUT_S = 300
 STOCK_MAX_REVISION_TIMEOUT_S = 600
 STOCK_CONTAINER_CONCURRENCY_MAX = 1000
 #: autoscaling.knative.dev windows are capped at one hour (``WindowMax``).
@@ -399,6 +403,85 @@ def revision_limit_violations(ksvc: dict, *, max_timeout_s: int,
     cc = spec.get("containerConcurrency")
     if cc is not None and not 0 <= cc <= max_concurrency:
         out.append(f"{_name(ksvc)}: containerConcurrency {cc} outside 0..{max_concurrency}")
+    return out
+
+
+def config_defaults(data: dict | None = None) -> dict[str, int]:
+    """The request limits of config-defaults as Knative parses them (``NewDefaultsConfigFromMap``):
+    ``data`` is the ConfigMap's data (terraform's ``spec.config.defaults``; None or {}: a stock
+    install). ``revision-response-start-timeout-seconds`` defaults to ``revision-timeout-seconds``."""
+    d = data or {}
+    timeout = int(d.get("revision-timeout-seconds", STOCK_REVISION_TIMEOUT_S))
+    return {"revision-timeout-seconds": timeout,
+            "max-revision-timeout-seconds": int(d.get("max-revision-timeout-seconds", STOCK_MAX_REVISION_TIMEOUT_S)),
+            "revision-response-start-timeout-seconds": int(d.get("revision-response-start-timeout-seconds", timeout)),
+            "revision-idle-timeout-seconds": int(d.get("revision-idle-timeout-seconds", 0))}
+
+
+def config_defaults_violations(data: dict | None) -> list[str]:
+    """What Knative refuses in config-defaults (its ConfigMap webhook rejects the apply):
+    ``revision-timeout-seconds`` above ``max-revision-timeout-seconds``, and a non-zero
+    ``revision-response-start-timeout-seconds`` or ``revision-idle-timeout-seconds`` above
+    ``revision-timeout-seconds``."""
+    c = config_defaults(data)
+    t = c["revision-timeout-seconds"]
+    out = []
+    if t > c["max-revision-timeout-seconds"]:
+        out.append(f"config-defaults: revision-timeout-seconds {t} > max-revision-timeout-seconds "
+                   f"{c['max-revision-timeout-seconds']}")
+    for key in ("revision-response-start-timeout-seconds", "revision-idle-timeout-seconds"):
+        if 0 < c[key] and c[key] > t:
+            out.append(f"config-defaults: {key} {c[key]} > revision-timeout-seconds {t}")
+    return out
+
+
+def request_limits(ksvc: dict, defaults: dict | None = None) -> dict[str, tuple[int, str]]:
+    """The limits queue-proxy and the activator apply to the revision's requests, as Knative's
+    defaulting (``RevisionSpec.SetDefaults``) fills them in from config-defaults ``defaults``
+    (see :func:`config_defaults`): ``{"timeoutSeconds" | "responseStartTimeoutSeconds" |
+    "idleTimeoutSeconds": (seconds, where from)}``, 0 meaning no limit. An unset
+    response-start (idle) limit takes the config-defaults value only when that is non-zero
+    and below the revision's ``timeoutSeconds``; else it stays unset (no limit)."""
+    c = config_defaults(defaults)
+    spec = _pod(ksvc)
+    out = {}
+    t = spec.get("timeoutSeconds") or 0
+    out["timeoutSeconds"] = (t, "set") if t else (c["revision-timeout-seconds"], "config-defaults revision-timeout-seconds")
+    t = out["timeoutSeconds"][0]
+    for field, key in (("responseStartTimeoutSeconds", "revision-response-start-timeout-seconds"),
+                       ("idleTimeoutSeconds", "revision-idle-timeout-seconds")):
+        if spec.get(field) is not None:
+            out[field] = (int(spec[field]), "set")
+        elif c[key] != 0 and c[key] < t:
+            out[field] = (c[key], f"config-defaults {key}")
+        else:
+            out[field] = (0, "unset")
+    return out
+
+
+def response_start_violations(ksvc: dict, *, defaults: dict | None = None) -> list[str]:
+    """The revision's response-start and idle limits, set or inherited from config-defaults
+    (:func:`request_limits`), are none or equal to its ``timeoutSeconds``: the functions'
+    HTTP binding sends no byte before the handler's result, so a shorter limit answers 504 to
+    every longer request, and to a request the activator holds while the revision scales from
+    zero (its hold ends at the same limit); a longer one never applies (the request timeout
+    ends first)."""
+    lim = request_limits(ksvc, defaults)
+    t = lim["timeoutSeconds"][0]
+    out = []
+    for field in ("responseStartTimeoutSeconds", "idleTimeoutSeconds"):
+        v, src = lim[field]
+        if v == 0 or v == t:
+            continue
+        if src.startswith("config-defaults"):
+            out.append(f"{_name(ksvc)}: {field} unset, so Knative copies {src.split(' ', 1)[1]} {v} into the "
+                       f"revision (< timeoutSeconds {t}): queue-proxy and the activator answer 504 to a request "
+                       f"with no response byte after {v} s; set {field}: {t}")
+        elif v < t:
+            out.append(f"{_name(ksvc)}: {field} {v} < timeoutSeconds {t}: the function sends nothing before its "
+                       f"result, so a request longer than {v} s (or a scale from zero) gets 504")
+        else:
+            out.append(f"{_name(ksvc)}: {field} {v} > timeoutSeconds {t} never applies; make it {t}")
     return out
 
 

@@ -57,6 +57,7 @@ def target(overlay: str) -> dict:
             "max_timeout_s": int(ks["defaults"]["max-revision-timeout-seconds"]),
             "skip_tag_resolving": set(ks["deployment"]["registries-skipping-tag-resolving"].split(",")),
             "eventing_features": {"delivery-timeout"} | _flags(ke.get("features")),
+            "defaults": ks["defaults"],
         }
     # cpu-dev: a stock Knative with the flags the local-cluster section of docs/deploy-gke.md names
     section = (ROOT / "docs" / "deploy-gke.md").read_text().split("## A local cluster (cpu-dev)", 1)[1].split("\n## ", 1)[0]
@@ -64,7 +65,7 @@ def target(overlay: str) -> dict:
     assert documented, "docs/deploy-gke.md: the cpu-dev section names no Serving feature"
     return {"features": kr.SERVING_DEFAULT_FEATURES | documented, "allow_zero_initial_scale": False,
             "max_timeout_s": kr.STOCK_MAX_REVISION_TIMEOUT_S, "skip_tag_resolving": kr.DEFAULT_SKIP_TAG_RESOLVING,
-            "eventing_features": {"delivery-timeout"}}
+            "eventing_features": {"delivery-timeout"}, "defaults": {}}
 
 
 def gke_images(docs):
@@ -126,6 +127,19 @@ def test_annotations_and_revision_limits_fit_the_target_cluster(overlay):
     for k in ksvcs(build(overlay)).values():
         assert kr.annotation_violations(k, allow_zero_initial_scale=t["allow_zero_initial_scale"]) == []
         assert kr.revision_limit_violations(k, max_timeout_s=t["max_timeout_s"]) == []
+
+
+@pytest.mark.parametrize("overlay", APP_OVERLAYS)
+def test_no_revision_inherits_a_shorter_response_start_limit(overlay):
+    """Issue 34: every revision's response-start (and idle) limit, set or copied from the
+    target cluster's config-defaults, is its whole timeoutSeconds, and the cluster's
+    config-defaults is one Knative accepts."""
+    t = target(overlay)
+    assert kr.config_defaults_violations(t["defaults"]) == []
+    for k in ksvcs(build(overlay)).values():
+        assert kr.response_start_violations(k, defaults=t["defaults"]) == []
+        lim = kr.request_limits(k, t["defaults"])
+        assert lim["responseStartTimeoutSeconds"] == (lim["timeoutSeconds"][0], "set"), k["metadata"]["name"]
 
 
 @pytest.mark.parametrize("overlay", APP_OVERLAYS)
@@ -244,6 +258,42 @@ def test_annotation_rules_catch_what_the_webhook_refuses(sampler):
     # 900 s is over a stock install's 600 s cap: GKE needs terraform's max-revision-timeout-seconds
     assert any("timeoutSeconds 900 > max-revision-timeout-seconds 600" in v
                for v in kr.revision_limit_violations(sampler, max_timeout_s=600))
+
+
+def test_response_start_rule_catches_the_inherited_300_s(sampler):
+    """What the real Serving 1.23 controller did to the manifests before issue 34: without
+    responseStartTimeoutSeconds, terraform's config-defaults (revision-timeout-seconds 300, and
+    so a response-start default of 300) gave the gke-gpu sampler 900 / 300 and cpu-dev's
+    revisions 600 / 300 (REVISION_TIMEOUT_SECONDS / REVISION_RESPONSE_START_TIMEOUT_SECONDS in
+    queue-proxy). The rule names the inherited value; a default that is not below the timeout,
+    or 0, is not copied; an explicit shorter or longer value and an idle limit are caught too."""
+    gke = target("knative/overlays/gke-gpu")["defaults"]
+    pop = lambda k: k["spec"]["template"]["spec"].pop("responseStartTimeoutSeconds")  # noqa: E731
+    bare = _mutate(sampler, pop)
+    assert kr.request_limits(bare, gke) == {"timeoutSeconds": (900, "set"),
+                                            "responseStartTimeoutSeconds": (300, "config-defaults revision-response-start-timeout-seconds"),
+                                            "idleTimeoutSeconds": (0, "unset")}
+    (v,) = kr.response_start_violations(bare, defaults=gke)
+    assert "revision-response-start-timeout-seconds 300" in v and "set responseStartTimeoutSeconds: 900" in v
+    cpu = _mutate(ksvcs(build("knative/overlays/cpu-dev"))["trainer-shard-0"], pop)
+    assert kr.request_limits(cpu, {})["responseStartTimeoutSeconds"][0] == 300  # a stock install: 600 / 300
+    assert kr.response_start_violations(cpu, defaults={})
+    # a cluster default the revision's timeout does not exceed, or 0 (no limit), is not copied
+    assert kr.response_start_violations(bare, defaults={**gke, "revision-timeout-seconds": "900",
+                                                        "revision-response-start-timeout-seconds": "900"}) == []
+    assert kr.response_start_violations(bare, defaults={**gke, "revision-response-start-timeout-seconds": "0"}) == []
+    short = _mutate(sampler, lambda k: k["spec"]["template"]["spec"].__setitem__("responseStartTimeoutSeconds", 60))
+    assert any("responseStartTimeoutSeconds 60 < timeoutSeconds 900" in v for v in kr.response_start_violations(short, defaults=gke))
+    long_ = _mutate(sampler, lambda k: k["spec"]["template"]["spec"].__setitem__("responseStartTimeoutSeconds", 1200))
+    assert any("never applies" in v for v in kr.response_start_violations(long_, defaults=gke))
+    idle = kr.response_start_violations(sampler, defaults={**gke, "revision-idle-timeout-seconds": "120"})
+    assert any("idleTimeoutSeconds unset" in v and "revision-idle-timeout-seconds 120" in v for v in idle)
+    # config-defaults Knative refuses
+    assert kr.config_defaults_violations({"revision-timeout-seconds": "300",
+                                          "revision-response-start-timeout-seconds": "900"}) == [
+        "config-defaults: revision-response-start-timeout-seconds 900 > revision-timeout-seconds 300"]
+    assert kr.config_defaults_violations({"revision-timeout-seconds": "900"}) == [
+        "config-defaults: revision-timeout-seconds 900 > max-revision-timeout-seconds 600"]  # stock max
 
 
 def test_eventing_rules_catch_bad_filters_deliveries_and_sinks():
