@@ -607,6 +607,22 @@ def destination_violations(obj: dict) -> list[str]:
     return out
 
 
+def dead_letter_sink_violations(obj: dict) -> list[str]:
+    """A Broker's or Trigger's ``deadLetterSink`` is a plain absolute URI, never a ``ref``: the
+    Broker reconciler resolves the ref before anything else and, when that fails, marks
+    ``DeadLetterSinkResolved`` False and stops (no address, not Ready), and the MT broker's
+    Trigger reconciler creates no Subscription while the Broker is not Ready, nor while its own
+    sink ref does not resolve. A Knative Service has no address before its first ready
+    revision, so a ref to the gateway makes every function wait on the gateway."""
+    d = ((obj.get("spec") or {}).get("delivery") or {}).get("deadLetterSink")
+    if d is None or "ref" not in d:
+        return []
+    ref = d["ref"] or {}
+    what = "every Trigger's Subscription" if obj.get("kind") == "Broker" else "its Subscription"
+    return [f"{_name(obj)}: deadLetterSink is a ref to {ref.get('kind')}/{ref.get('name')}: {what} waits until "
+            f"that has an address (a Knative Service: its first ready revision); give its address as a uri"]
+
+
 def broker_violations(broker: dict, configmaps: dict[str, dict]) -> list[str]:
     """A Broker names its class (annotation ``eventing.knative.dev/broker.class``; immutable) and
     its ``spec.config`` ConfigMap exists in the same build with a ``channel-template-spec``."""

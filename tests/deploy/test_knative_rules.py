@@ -163,10 +163,12 @@ def test_triggers_and_broker_are_what_eventing_admits(overlay):
         assert kr.trigger_filter_violations(trig) == []
         assert kr.delivery_violations(trig, enabled=t["eventing_features"]) == []
         assert kr.destination_violations(trig) == []
+        assert kr.dead_letter_sink_violations(trig) == []
     (broker,) = objects(docs, "Broker", "eventing.knative.dev")
     assert kr.broker_violations(broker, cms) == []
     assert kr.delivery_violations(broker, enabled=t["eventing_features"]) == []
     assert kr.destination_violations(broker) == []
+    assert kr.dead_letter_sink_violations(broker) == []
 
 
 # ----------------------------------------------------------------------------- each rule catches its bug
@@ -305,8 +307,18 @@ def test_eventing_rules_catch_bad_filters_deliveries_and_sinks():
     trig["spec"]["delivery"]["retryAfterMax"] = "PT1M"
     v = " | ".join(kr.delivery_violations(trig))
     assert "delivery.retry unset" in v and "'30m'" in v and "delivery-retryafter" in v
-    trig["spec"]["delivery"]["deadLetterSink"]["uri"] = "http://elsewhere/x"
+    trig["spec"]["delivery"]["deadLetterSink"] = {"ref": {"apiVersion": "serving.knative.dev/v1", "kind": "Service",
+                                                          "name": "gateway"}, "uri": "http://elsewhere/x"}
     assert any("absolute uri" in v for v in kr.destination_violations(trig))
+    # issue 34: the sinks before the fix, a ref to the gateway, made the Broker's readiness (and so
+    # every Trigger's Subscription) wait for the gateway's first ready revision
+    old = {"ref": {"apiVersion": "serving.knative.dev/v1", "kind": "Service", "name": "gateway"},
+           "uri": "/events/dead-letter"}
+    trig["spec"]["delivery"]["deadLetterSink"] = old
+    assert kr.destination_violations(trig) == []  # admitted, and yet:
+    assert any("its Subscription waits" in v for v in kr.dead_letter_sink_violations(trig))
+    b = {"kind": "Broker", "metadata": {"name": "openrl"}, "spec": {"delivery": {"deadLetterSink": old}}}
+    assert any("every Trigger's Subscription waits" in v for v in kr.dead_letter_sink_violations(b))
     broker = {"kind": "Broker", "metadata": {"name": "b"}, "spec": {"config": {"apiVersion": "v1", "kind": "ConfigMap",
                                                                               "name": "missing"}}}
     v = " | ".join(kr.broker_violations(broker, {}))
