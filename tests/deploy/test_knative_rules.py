@@ -272,8 +272,8 @@ def test_response_start_rule_catches_the_inherited_300_s(sampler):
     gke = target("knative/overlays/gke-gpu")["defaults"]
     pop = lambda k: k["spec"]["template"]["spec"].pop("responseStartTimeoutSeconds")  # noqa: E731
     bare = _mutate(sampler, pop)
-    assert kr.request_limits(bare, gke) == {"timeoutSeconds": (900, "set"),
-                                            "responseStartTimeoutSeconds": (300, "config-defaults revision-response-start-timeout-seconds"),
+    inherited = (300, "config-defaults revision-response-start-timeout-seconds")
+    assert kr.request_limits(bare, gke) == {"timeoutSeconds": (900, "set"), "responseStartTimeoutSeconds": inherited,
                                             "idleTimeoutSeconds": (0, "unset")}
     (v,) = kr.response_start_violations(bare, defaults=gke)
     assert "revision-response-start-timeout-seconds 300" in v and "set responseStartTimeoutSeconds: 900" in v
@@ -285,7 +285,8 @@ def test_response_start_rule_catches_the_inherited_300_s(sampler):
                                                         "revision-response-start-timeout-seconds": "900"}) == []
     assert kr.response_start_violations(bare, defaults={**gke, "revision-response-start-timeout-seconds": "0"}) == []
     short = _mutate(sampler, lambda k: k["spec"]["template"]["spec"].__setitem__("responseStartTimeoutSeconds", 60))
-    assert any("responseStartTimeoutSeconds 60 < timeoutSeconds 900" in v for v in kr.response_start_violations(short, defaults=gke))
+    assert any("responseStartTimeoutSeconds 60 < timeoutSeconds 900" in v
+               for v in kr.response_start_violations(short, defaults=gke))
     long_ = _mutate(sampler, lambda k: k["spec"]["template"]["spec"].__setitem__("responseStartTimeoutSeconds", 1200))
     assert any("never applies" in v for v in kr.response_start_violations(long_, defaults=gke))
     idle = kr.response_start_violations(sampler, defaults={**gke, "revision-idle-timeout-seconds": "120"})
