@@ -11,6 +11,12 @@ these resources in the namespace is all the RBAC it needs):
 | ``serving.knative.dev/v1`` ``revisions`` | label ``serving.knative.dev/service``, ``status.desiredReplicas``, ``status.actualReplicas``, the ``Ready`` condition |
 | ``autoscaling.internal.knative.dev/v1alpha1`` ``podautoscalers`` (optional: skipped when the API answers 403/404) | ``status.desiredScale``, ``status.actualScale``: the autoscaler's numbers, used where the revision's are missing |
 | ``v1`` ``events`` of kind Revision (optional, as above) | the newest ``Warning`` of a revision that is not ready: where the controller reports what it could not create (e.g. a Deployment the API server rejected while the revision shows only ``Unknown / Deploying``) |
+| ``eventing.knative.dev/v1`` ``brokers``, ``triggers`` (optional, as above) | the ``Ready`` condition and the conditions that say why not: ``DeadLetterSinkResolved``, ``SubscriberResolved``, ``BrokerReady`` |
+
+A read the API refuses (403) or lacks (404) where it is optional is not an error: the view
+says so in a line (``--json``: ``notes``), e.g. when events cannot be read, so an empty
+"why" is never mistaken for "nothing wrong". (A PodAutoscaler API that is absent is not
+mentioned: the revisions' own numbers stand.)
 
 A revision that is not ready shows *why* in the Revisions table: its ``Ready`` condition's
 reason and message, else those of the first other condition that is not ``True`` and says
@@ -18,7 +24,16 @@ something (``ResourcesAvailable``: unschedulable, ``ContainerHealthy``: exit cod
 newest Warning event about it.
 
 A Service's *desired* / *actual* scale is the sum over its revisions (an idle Service at zero
-shows 0 / 0; a sweep in flight shows its replicas).
+shows 0 / 0; a sweep in flight shows its replicas); it is unknown (``-``, JSON ``null``) when
+a revision's is: the PodAutoscaler reports ``desiredScale: -1`` before its first decision, and
+the revision then leaves ``desiredReplicas`` out. The Services table shows a Service's Ready
+reason *and* message when it is not ready.
+
+Eventing: the Broker and Triggers with their Ready condition, and a line naming the cause when
+one is not Ready because something it points at does not resolve. The one that stops
+everything: a Broker whose dead-letter sink does not resolve (a ``ref`` to a Knative Service
+that has never been ready) is not Ready, and Knative's MT broker then creates no Subscription
+for any Trigger, so no function receives an event while the Broker's ingress accepts them.
 
 NATS (``--nats-url``, default ``$OPENRL_NATS_URL``; on a cluster, port-forward the NATS
 service first): every JetStream stream except KV buckets (``KV_*``) and object stores
@@ -43,6 +58,7 @@ import sys
 
 KNATIVE_GROUP, KNATIVE_VERSION = "serving.knative.dev", "v1"
 PA_GROUP, PA_VERSION = "autoscaling.internal.knative.dev", "v1alpha1"
+EVENTING_GROUP, EVENTING_VERSION = "eventing.knative.dev", "v1"
 SERVICE_LABEL = "serving.knative.dev/service"
 DEFAULT_NAMESPACE = "openrl"
 NATS_TIMEOUT_S = 5.0
@@ -57,8 +73,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     ``openrl status``'s parser (imports nothing heavy)."""
     g = p.add_argument_group("cluster (--cluster: Knative Services and NATS streams instead of the gateway)")
     g.add_argument("--cluster", action="store_true",
-                   help="list the Knative Services (latest ready revision, desired / actual scale) through the "
-                        "Kubernetes API and the NATS streams' pending work")
+                   help="list the Knative Services (latest ready revision, desired / actual scale, why not ready) "
+                        "and the Broker and Triggers through the Kubernetes API, and the NATS streams' pending work")
     g.add_argument("--kubeconfig", default=None, metavar="PATH",
                    help="kubeconfig file (default: in-cluster config inside a pod, else $KUBECONFIG / ~/.kube/config)")
     g.add_argument("--context", default=None, help="kubeconfig context (default: its current-context)")
@@ -91,7 +107,10 @@ def api_client(kubeconfig: str | None = None, context: str | None = None):
         raise ClusterError(f"--kubeconfig {where}: {exc}") from exc
 
 
-def _list(api, group: str, version: str, namespace: str, plural: str, *, optional: bool = False) -> list[dict]:
+def _list(api, group: str, version: str, namespace: str, plural: str, *, optional: bool = False,
+          refused: list | None = None) -> list[dict]:
+    """The items of ``plural``.``group``/``version`` in ``namespace``. ``optional``: a 403 / 404
+    answers [] and appends ``(plural.group, status, reason)`` to ``refused``."""
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
 
@@ -99,6 +118,8 @@ def _list(api, group: str, version: str, namespace: str, plural: str, *, optiona
         out = api.list_namespaced_custom_object(group, version, namespace, plural, _request_timeout=15)
     except ApiException as exc:
         if optional and exc.status in (403, 404):
+            if refused is not None:
+                refused.append((f"{plural}.{group}", exc.status, exc.reason))
             return []
         raise ClusterError(f"list {plural}.{group}/{version} in namespace {namespace}: HTTP {exc.status} "
                            f"{exc.reason}: {(exc.body or '')[:200]}") from exc
@@ -140,8 +161,17 @@ def why(row: dict) -> str | None:
 
 
 def _sum(values) -> int | None:
-    known = [v for v in values if v is not None]
-    return sum(known) if known else None
+    """The total, or None when there is nothing to add or any value is unknown (None)."""
+    values = list(values)
+    if not values or any(v is None for v in values):
+        return None
+    return sum(values)
+
+
+def _count(v) -> int | None:
+    """A replica count, None when unknown: absent, or negative (the PodAutoscaler's ``-1``
+    before its first decision)."""
+    return None if v is None or int(v) < 0 else int(v)
 
 
 def _warnings(events: list[dict]) -> dict[str, dict]:
@@ -169,7 +199,8 @@ def summarize(services: list[dict], revisions: list[dict], autoscalers: list[dic
         ``reason`` / ``message`` are the Ready condition's (see :func:`_ready`), ``warning`` the
         newest Warning event of a revision that is not ready (``{"reason", "message"}`` or None);
         ``desired`` / ``actual`` are replica counts (None where neither the revision nor its
-        PodAutoscaler reports one).
+        PodAutoscaler reports one, or the PodAutoscaler's is ``-1``: not decided yet; a
+        Service's is None when one of its revisions' is).
     """
     pas = {(p.get("metadata") or {}).get("name"): p.get("status") or {} for p in autoscalers}
     warnings = _warnings(events or [])
@@ -179,8 +210,8 @@ def summarize(services: list[dict], revisions: list[dict], autoscalers: list[dic
         st = r.get("status") or {}
         pa = pas.get(meta.get("name"), {})
         ready, reason, message = _ready(r)
-        desired = st.get("desiredReplicas", pa.get("desiredScale"))
-        actual = st.get("actualReplicas", pa.get("actualScale"))
+        desired = _count(st.get("desiredReplicas", pa.get("desiredScale")))
+        actual = _count(st.get("actualReplicas", pa.get("actualScale")))
         by_service.setdefault((meta.get("labels") or {}).get(SERVICE_LABEL), []).append(
             {"name": meta.get("name"), "ready": ready, "reason": reason, "message": message,
              "warning": warnings.get(meta.get("name")) if ready != "True" else None,
@@ -206,38 +237,120 @@ def summarize(services: list[dict], revisions: list[dict], autoscalers: list[dic
     return sorted(rows, key=lambda r: r["name"] or "")
 
 
-def knative_status(api_client_, namespace: str) -> list[dict]:
+def knative_status(api_client_, namespace: str, notes: list[str] | None = None) -> list[dict]:
     """List the namespace's Knative Services, Revisions and PodAutoscalers and :func:`summarize` them.
+
+    Args:
+        notes: gets one line per optional read the API refused (events, PodAutoscalers: 403).
 
     Raises:
         ClusterError: the API is unreachable or refuses (the HTTP status and reason are in the message).
     """
     from kubernetes import client
 
+    notes = notes if notes is not None else []
     api = client.CustomObjectsApi(api_client_)
     services = _list(api, KNATIVE_GROUP, KNATIVE_VERSION, namespace, "services")
     revisions = _list(api, KNATIVE_GROUP, KNATIVE_VERSION, namespace, "revisions")
-    autoscalers = _list(api, PA_GROUP, PA_VERSION, namespace, "podautoscalers", optional=True)
-    events = _revision_events(client.CoreV1Api(api_client_), namespace) if any(
-        _ready(r)[0] != "True" for r in revisions) else []
+    refused: list = []
+    autoscalers = _list(api, PA_GROUP, PA_VERSION, namespace, "podautoscalers", optional=True, refused=refused)
+    for what, status, reason in refused:
+        if status == 403:  # 404: no such API here; the revisions' own numbers stand
+            notes.append(f"{what}: cannot be read (HTTP {status} {reason}): desired / actual come from the "
+                         "revisions alone")
+    events = []
+    if any(_ready(r)[0] != "True" for r in revisions):
+        events, refusal = _revision_events(client.CoreV1Api(api_client_), namespace)
+        if refusal:
+            notes.append(f"events: cannot be read in namespace {namespace} ({refusal}): a revision's Warning "
+                         "events (e.g. a Deployment the API server rejected) are not shown")
     return summarize(services, revisions, autoscalers, events)
 
 
-def _revision_events(core, namespace: str) -> list[dict]:
-    """The namespace's events about Revisions (optional: [] when the API refuses or lacks them)."""
+def _revision_events(core, namespace: str) -> tuple[list[dict], str | None]:
+    """The namespace's events about Revisions, and None; or [] and ``"HTTP <status> <reason>"``
+    when the API refuses or lacks them (optional)."""
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
 
     try:
         out = core.list_namespaced_event(namespace, field_selector="involvedObject.kind=Revision",
                                          _request_timeout=15, _preload_content=False)
-        return list(json.loads(out.data).get("items") or [])
+        return list(json.loads(out.data).get("items") or []), None
     except ApiException as exc:
         if exc.status in (403, 404):
-            return []
+            return [], f"HTTP {exc.status} {exc.reason}"
         raise ClusterError(f"list events in namespace {namespace}: HTTP {exc.status} {exc.reason}") from exc
     except HTTPError as exc:
         raise ClusterError(f"cannot reach the Kubernetes API at {core.api_client.configuration.host}: {exc}") from exc
+
+
+def _condition(obj: dict, type_: str) -> dict | None:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") == type_), None)
+
+
+def _false(obj: dict, type_: str) -> dict | None:
+    """The condition ``type_`` when its status is False, else None."""
+    c = _condition(obj, type_)
+    return c if c is not None and str(c.get("status")) == "False" else None
+
+
+def _detail(c: dict) -> str:
+    return ": ".join(str(x) for x in (c.get("reason"), c.get("message")) if x)
+
+
+def eventing_cause(kind: str, obj: dict) -> str | None:
+    """Why a Broker or Trigger that is not Ready stops events, in words, when a condition says
+    which of its references does not resolve (Knative Eventing 1.22's condition types); None
+    otherwise."""
+    if kind == "Broker":
+        c = _false(obj, "DeadLetterSinkResolved")
+        if c is not None:
+            return (f"its dead-letter sink does not resolve ({_detail(c)}). Until it does, the Broker is not Ready "
+                    "and Knative's MT broker creates no Subscription for any Trigger: no function receives an "
+                    "event while the Broker's ingress still accepts them. A sink that is a ref to a Knative "
+                    "Service resolves only once that Service has had a ready revision; give the sink as a plain "
+                    "uri (eventing/base/broker.yaml does) or get that Service ready")
+        return None
+    for type_, what in (("SubscriberResolved", "its subscriber"), ("DeadLetterSinkResolved", "its dead-letter sink")):
+        c = _false(obj, type_)
+        if c is not None:
+            return f"{what} does not resolve ({_detail(c)}): it has no Subscription and its subscriber receives nothing"
+    c = _condition(obj, "BrokerReady")
+    if c is not None and str(c.get("status")) != "True":
+        return "its Broker is not Ready (see the Broker's line): it has no Subscription"
+    return None
+
+
+def summarize_eventing(brokers: list[dict], triggers: list[dict]) -> list[dict]:
+    """One row per Broker, then per Trigger (by name): ``{"kind", "name", "ready", "reason",
+    "message", "cause"}``; ``cause`` is :func:`eventing_cause` for one that is not Ready."""
+    rows = []
+    for kind, objs in (("Broker", brokers), ("Trigger", triggers)):
+        for o in sorted(objs, key=lambda o: (o.get("metadata") or {}).get("name") or ""):
+            ready, reason, message = _ready(o)
+            rows.append({"kind": kind, "name": (o.get("metadata") or {}).get("name"), "ready": ready,
+                         "reason": reason, "message": message,
+                         "cause": eventing_cause(kind, o) if ready != "True" else None})
+    return rows
+
+
+def eventing_status(api_client_, namespace: str, notes: list[str]) -> list[dict] | None:
+    """The namespace's Brokers and Triggers (:func:`summarize_eventing`); None, with a line in
+    ``notes``, when the API refuses them or has no Knative Eventing."""
+    from kubernetes import client
+
+    api = client.CustomObjectsApi(api_client_)
+    refused: list = []
+    brokers = _list(api, EVENTING_GROUP, EVENTING_VERSION, namespace, "brokers", optional=True, refused=refused)
+    triggers = _list(api, EVENTING_GROUP, EVENTING_VERSION, namespace, "triggers", optional=True, refused=refused)
+    if refused:
+        what = ", ".join(sorted({w for w, _, _ in refused}))
+        answers = ", ".join(sorted({f"HTTP {st} {reason}" for _, st, reason in refused}))
+        notes.append(f"{what}: cannot be read ({answers})"
+                     + ("; is Knative Eventing installed?" if all(st == 404 for _, st, _ in refused) else ""))
+        return None
+    return summarize_eventing(brokers, triggers)
 
 
 # -- NATS -------------------------------------------------------------------------------------
@@ -305,22 +418,25 @@ async def nats_pending(url: str, timeout_s: float = NATS_TIMEOUT_S) -> list[dict
 
 def collect(args: argparse.Namespace) -> dict:
     """Everything ``openrl status --cluster`` shows, as one JSON-able dict:
-    ``{"namespace", "kubernetes_api", "services": summarize(...), "nats_url", "streams"}``
-    (``streams`` is None without a NATS URL).
+    ``{"namespace", "kubernetes_api", "services": summarize(...), "eventing": summarize_eventing(...)
+    or None, "notes": [str], "nats_url", "streams"}`` (``streams`` is None without a NATS URL;
+    ``notes``: the optional reads the API refused, see :func:`knative_status`, :func:`eventing_status`).
 
     Raises:
         ClusterError: see :func:`api_client`, :func:`knative_status`, :func:`nats_pending`.
     """
     api = api_client(args.kubeconfig, args.context)
+    notes: list[str] = []
     try:
-        services = knative_status(api, args.namespace)
+        services = knative_status(api, args.namespace, notes)
+        eventing = eventing_status(api, args.namespace, notes)
         host = api.configuration.host
     finally:
         api.close()
     nats_url = args.nats_url or os.environ.get("OPENRL_NATS_URL")
     streams = asyncio.run(nats_pending(nats_url)) if nats_url else None
-    return {"namespace": args.namespace, "kubernetes_api": host, "services": services,
-            "nats_url": nats_url, "streams": streams}
+    return {"namespace": args.namespace, "kubernetes_api": host, "services": services, "eventing": eventing,
+            "notes": notes, "nats_url": nats_url, "streams": streams}
 
 
 def render(doc: dict, console) -> None:
@@ -331,14 +447,23 @@ def render(doc: dict, console) -> None:
     running = sum(s["actual"] or 0 for s in services)
     console.print(f"[bold]openrl[/bold] on {doc['kubernetes_api']}, namespace {doc['namespace']}: "
                   f"{len(services)} Knative Services, {running} replicas running")
-    console.print(_table("Knative Services", ["service", "ready", "latest ready revision", "desired", "actual", "url"],
-                         [[s["name"], s["ready"] if s["ready"] == "True" or not s["reason"] else f"{s['ready']} ({s['reason']})",
-                           s["latest_ready_revision"], s["desired"], s["actual"], s["url"]] for s in services],
-                         fold=("service",)))
+    console.print(_table("Knative Services",
+                         ["service", "ready", "latest ready revision", "desired", "actual", "url", "why not ready"],
+                         [[s["name"], s["ready"], s["latest_ready_revision"], s["desired"], s["actual"], s["url"], why(s)]
+                          for s in services], fold=("service",)))
     revs = [(s, r) for s in services for r in s["revisions"]]
     console.print(_table("Revisions", ["revision", "service", "ready", "desired", "actual", "traffic %", "why not ready"],
                          [[r["name"], s["name"], r["ready"], r["desired"], r["actual"], r["traffic_percent"], why(r)]
                           for s, r in revs], fold=("revision",)))
+    if doc.get("eventing") is not None:
+        ev = doc["eventing"]
+        console.print(_table("Knative Eventing", ["object", "ready", "why not ready"],
+                             [[f"{e['kind']}/{e['name']}", e["ready"], why(e)] for e in ev], fold=("object",)))
+        for e in ev:
+            if e.get("cause"):
+                console.print(f"{e['kind']}/{e['name']} is not Ready: {e['cause']}", markup=False)
+    for note in doc.get("notes") or []:
+        console.print(f"Not shown: {note}", markup=False)
     if doc["streams"] is None:
         console.print("NATS: not shown (pass --nats-url or set OPENRL_NATS_URL)")
         return

@@ -3,12 +3,14 @@ real nats-server.
 
 No Kubernetes cluster can run here, so the Kubernetes API is a local HTTP server
 (``FakeKubeAPI``, threading ``http.server``) that answers the list calls the client makes
-(``GET /apis/serving.knative.dev/v1/namespaces/openrl/{services,revisions}`` and
-``/apis/autoscaling.internal.knative.dev/v1alpha1/namespaces/openrl/podautoscalers``) with
-objects shaped like Knative Serving's. The Service and Revision objects are checked against
-the upstream CRDs' openAPIV3Schema (``../shared/schemas/knative-serving/``, strict: unknown
-fields fail); the PodAutoscaler has no CRD there, its status fields (``desiredScale``,
-``actualScale``) follow knative/serving's ``pkg/apis/autoscaling/v1alpha1`` PodAutoscalerStatus.
+(``GET /apis/serving.knative.dev/v1/namespaces/openrl/{services,revisions}``,
+``/apis/autoscaling.internal.knative.dev/v1alpha1/namespaces/openrl/podautoscalers``,
+``/apis/eventing.knative.dev/v1/namespaces/openrl/{brokers,triggers}``, ``/api/v1/namespaces/openrl/events``)
+with objects shaped like Knative's, or with the ``Status`` of a refusal (403) where a test says so.
+The Service, Revision, Broker and Trigger objects are checked against the upstream CRDs'
+openAPIV3Schema (``tests/data/schemas``, ``../shared/schemas``; strict: unknown fields fail); the
+PodAutoscaler has no CRD there, its status fields (``desiredScale``, ``actualScale``) follow
+knative/serving's ``pkg/apis/autoscaling/v1alpha1`` PodAutoscalerStatus.
 Everything else is real: the kubernetes client reads a kubeconfig written here, the CLI
 runs in-process through ``openrl.cli.main``, and the NATS streams are a real nats-server's.
 """
@@ -38,25 +40,29 @@ SCHEMA_DIRS = [ROOT / "tests" / "data" / "schemas", ROOT.parent / "shared" / "sc
 NS = "openrl"
 SERVING = "/apis/serving.knative.dev/v1/namespaces/openrl"
 PA_PATH = "/apis/autoscaling.internal.knative.dev/v1alpha1/namespaces/openrl/podautoscalers"
+EVENTING = "/apis/eventing.knative.dev/v1/namespaces/openrl"
 
 
 # -- Knative objects --------------------------------------------------------------------------
 
 
-def _cond(ready: bool, reason: str | None = None) -> list[dict]:
+def _cond(ready: bool, reason: str | None = None, message: str | None = None) -> list[dict]:
     c = {"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": "2026-12-01T10:00:00Z"}
     if reason:
         c["reason"] = reason
+    if message:
+        c["message"] = message
     return [c]
 
 
-def service(name: str, revision: str, *, ready: bool = True, reason: str | None = None) -> dict:
+def service(name: str, revision: str, *, ready: bool = True, reason: str | None = None,
+            message: str | None = None) -> dict:
     """A ``serving.knative.dev/v1`` Service as the API returns it (spec abridged, status full)."""
     return {
         "apiVersion": "serving.knative.dev/v1", "kind": "Service",
         "metadata": {"name": name, "namespace": NS},
         "spec": {"template": {"spec": {"containers": [{"image": f"openrl/{name}:dev"}], "timeoutSeconds": 900}}},
-        "status": {"observedGeneration": 1, "conditions": _cond(ready, reason),
+        "status": {"observedGeneration": 1, "conditions": _cond(ready, reason, message),
                    "latestCreatedRevisionName": revision,
                    "latestReadyRevisionName": revision if ready else None,
                    "url": f"http://{name}.{NS}.svc.cluster.local",
@@ -90,6 +96,33 @@ def podautoscaler(name: str, desired: int, actual: int) -> dict:
             "status": {"desiredScale": desired, "actualScale": actual}}
 
 
+def broker(conditions: list[dict] | None = None) -> dict:
+    """The ``eventing.knative.dev/v1`` Broker of eventing/base/broker.yaml as the API returns it
+    (spec abridged); ``conditions`` replace the default: every condition of the MT broker True."""
+    types = ("Ready", "IngressReady", "TriggerChannelReady", "FilterReady", "Addressable", "DeadLetterSinkResolved",
+             "EventPoliciesReady")
+    return {"apiVersion": "eventing.knative.dev/v1", "kind": "Broker",
+            "metadata": {"name": "openrl", "namespace": NS,
+                         "annotations": {"eventing.knative.dev/broker.class": "MTChannelBasedBroker"}},
+            "spec": {"delivery": {"deadLetterSink": {"uri": "http://gateway.openrl.svc.cluster.local/events/dead-letter"},
+                                  "retry": 3}},
+            "status": {"observedGeneration": 1,
+                       "conditions": conditions or [_c(t, "True") for t in types]}}
+
+
+def trigger(name: str, subscriber: str, conditions: list[dict] | None = None) -> dict:
+    """An ``eventing.knative.dev/v1`` Trigger (spec abridged); ``conditions`` replace the default:
+    every condition of a subscribed Trigger True."""
+    types = ("Ready", "BrokerReady", "SubscriptionReady", "DependencyReady", "SubscriberResolved",
+             "DeadLetterSinkResolved", "OIDCIdentityCreated")
+    return {"apiVersion": "eventing.knative.dev/v1", "kind": "Trigger",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"broker": "openrl",
+                     "subscriber": {"ref": {"apiVersion": "serving.knative.dev/v1", "kind": "Service", "name": subscriber}}},
+            "status": {"observedGeneration": 1,
+                       "conditions": conditions or [_c(t, "True") for t in types]}}
+
+
 def cluster_state(trainer: tuple[int, int], sampler: tuple[int, int]) -> dict[str, list[dict]]:
     """The three Services of knative/overlays/cpu-dev with the trainer's and the sampler's
     (desired, actual) replicas. The sampler has an old revision (no traffic, at zero) and a
@@ -105,16 +138,21 @@ def cluster_state(trainer: tuple[int, int], sampler: tuple[int, int]) -> dict[st
             revision("trainer-shard-0-00001", "trainer-shard-0", *trainer, created="2026-12-01T09:00:00Z"),
         ],
         PA_PATH: [podautoscaler("sampler-00002", *sampler)],
+        f"{EVENTING}/brokers": [broker()],
+        f"{EVENTING}/triggers": [trigger("results", "gateway"), trigger("sampler", "sampler"),
+                                 trigger("trainer-shard-0", "trainer-shard-0")],
     }
 
 
 class FakeKubeAPI:
     """A local HTTP server answering the Kubernetes list calls from ``self.state``
-    (path -> items); any other path is a 404 ``Status`` as the API server sends. ``paths``
-    records what the client asked for."""
+    (path -> items); a path in ``self.refuse`` gets a 403 ``Status`` (RBAC without ``list`` on it)
+    and any other path a 404, as the API server sends them. ``paths`` records what the client
+    asked for."""
 
     def __init__(self, state: dict[str, list[dict]]):
         self.state = state
+        self.refuse: set[str] = set()
         self.paths: list[str] = []
         fake = self
 
@@ -122,7 +160,11 @@ class FakeKubeAPI:
             def do_GET(self):  # noqa: N802
                 path = self.path.split("?")[0]
                 fake.paths.append(path)
-                if path in fake.state:
+                if path in fake.refuse:
+                    code, body = 403, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                       "message": f"forbidden: User \"viewer\" cannot list resource at {path}",
+                                       "reason": "Forbidden", "code": 403}
+                elif path in fake.state:
                     kind = (fake.state[path][0]["kind"] if fake.state[path] else "Object") + "List"
                     code, body = 200, {"apiVersion": "v1", "kind": kind, "metadata": {"resourceVersion": "1"},
                                        "items": fake.state[path]}
@@ -200,25 +242,29 @@ def _strict(schema):
     return out
 
 
-def _crd_schema(filename: str) -> dict:
+def _crd_schema(filename: str, group: str = "knative-serving") -> dict:
     for d in SCHEMA_DIRS:
-        f = d / "knative-serving" / filename
+        f = d / group / filename
         if f.exists():
             crd = yaml.safe_load(f.read_text())
             root = dict(next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"])
             root["properties"] = {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
                                   "metadata": {"type": "object"}, **root.get("properties", {})}
             return _strict(root)
-    pytest.skip(f"knative-serving/{filename} CRD not found in {[str(d) for d in SCHEMA_DIRS]}")
+    pytest.skip(f"{group}/{filename} CRD not found in {[str(d) for d in SCHEMA_DIRS]}")
 
 
 def test_fixture_objects_match_the_knative_crds():
     """The Services and Revisions the fake API serves validate against Knative Serving's CRDs
     (so the listing below reads fields that exist, spelled as upstream spells them); a
     misspelt status field is caught."""
-    schemas = {"Service": _crd_schema("service.yaml"), "Revision": _crd_schema("revision.yaml")}
+    schemas = {"Service": _crd_schema("service.yaml"), "Revision": _crd_schema("revision.yaml"),
+               "Broker": _crd_schema("broker.yaml", "knative-eventing"),
+               "Trigger": _crd_schema("trigger.yaml", "knative-eventing")}
     state = not_ready_state()
     objs = state[f"{SERVING}/services"] + state[f"{SERVING}/revisions"]
+    objs += unresolved_sink_state()[f"{EVENTING}/brokers"] + unresolved_sink_state()[f"{EVENTING}/triggers"]
+    objs += state[f"{EVENTING}/brokers"] + state[f"{EVENTING}/triggers"]
     for obj in objs:
         errors = list(jsonschema.Draft7Validator(schemas[obj["kind"]]).iter_errors(obj))
         assert not errors, (obj["metadata"]["name"], [e.message for e in errors])
@@ -310,20 +356,166 @@ def test_cluster_status_table_and_errors(kube, capsys, tmp_path, monkeypatch):
     an API without them is fine); an unreachable API server and a missing kubeconfig are
     errors naming the server / file, exit 1."""
     fake, kubeconfig = kube
-    monkeypatch.setenv("COLUMNS", "200")  # rich: no wrapping inside cells
+    monkeypatch.setenv("COLUMNS", "300")  # rich: no wrapping inside cells
     fake.state[f"{SERVING}/services"][2] = service("trainer-shard-0", "trainer-shard-0-00001", ready=False,
-                                                   reason="RevisionMissing")
+                                                   reason="RevisionMissing", message=REVISION_MISSING)
     del fake.state[PA_PATH]
     assert cli_main(["status", "--cluster", "--kubeconfig", str(kubeconfig)]) == 0
     out = capsys.readouterr().out
-    assert "Knative Services" in out and "False (RevisionMissing)" in out and "sampler-00002" in out
-    assert "not shown (pass --nats-url" in out
+    assert "Knative Services" in out and "sampler-00002" in out
+    # issue 34: the Service's message, not only its reason, in the Services table
+    assert _cells(out, "Knative Services", "trainer-shard-0")[1:2] == ["False"]
+    assert f"RevisionMissing: {REVISION_MISSING}" in _cells(out, "Knative Services", "trainer-shard-0")[-1]
+    assert "not shown (pass --nats-url" in out and "Not shown:" not in out  # a PodAutoscaler API that is absent: no note
 
     fake.close()
     assert cli_main(["status", "--cluster", "--kubeconfig", str(kubeconfig)]) == 1
     assert f"cannot reach the Kubernetes API at {fake.url}" in capsys.readouterr().err
     assert cli_main(["status", "--cluster", "--kubeconfig", str(tmp_path / "nope")]) == 1
     assert "--kubeconfig" in capsys.readouterr().err
+
+
+#: Knative Serving's message for a Service whose Configuration has no ready revision.
+REVISION_MISSING = 'Configuration "trainer-shard-0" does not have any ready Revision.'
+
+
+def _cells(out: str, title: str, first: str) -> list[str]:
+    """The cells of the row whose first cell is ``first`` in the rich table titled ``title``
+    (one line per row: run with a wide ``COLUMNS``)."""
+    section = out.split(title, 1)[1]
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("│┃").split("│")]
+        if cells and cells[0] == first:
+            return cells
+    raise AssertionError(f"no row {first!r} in {title!r}:\n{section}")
+
+
+def test_unknown_desired_scale_is_a_dash_not_minus_one(kube, capsys, monkeypatch):
+    """A PodAutoscaler that has not decided yet reports ``desiredScale: -1`` (and the revision
+    leaves ``desiredReplicas`` out): the revision's and its Service's desired scale are unknown,
+    ``null`` in --json and ``-`` in the tables, never ``-1``; the actual scale stays known."""
+    fake, kubeconfig = kube
+    fake.state = cluster_state(trainer=(0, 0), sampler=(-1, 0))
+    doc = _status(capsys, "--kubeconfig", kubeconfig)
+    sampler = next(s for s in doc["services"] if s["name"] == "sampler")
+    assert (sampler["desired"], sampler["actual"]) == (None, 0)
+    assert {r["name"]: r["desired"] for r in sampler["revisions"]} == {"sampler-00001": 0, "sampler-00002": None}
+    monkeypatch.setenv("COLUMNS", "250")
+    assert cli_main(["status", "--cluster", "--kubeconfig", str(kubeconfig)]) == 0
+    out = capsys.readouterr().out
+    assert "-1" not in out
+    row = _cells(out, "Knative Services", "sampler")
+    assert row[3:5] == ["-", "0"], row
+    assert _cells(out, "Revisions", "sampler-00002")[3:5] == ["-", "0"]
+
+
+def test_a_line_says_so_when_events_or_autoscalers_cannot_be_read(kube, capsys, monkeypatch):
+    """RBAC that lets the viewer list Knative objects but not events (403): the revisions'
+    conditions still show, and a line says that their Warning events could not be read (an
+    empty "last warning" must not read as "nothing wrong"); likewise a refused PodAutoscaler
+    list. --json carries the same lines in ``notes``."""
+    fake, kubeconfig = kube
+    fake.state = not_ready_state()
+    fake.refuse = {EVENTS_PATH, PA_PATH}
+    doc = _status(capsys, "--kubeconfig", kubeconfig)
+    revs = {r["name"]: r for s in doc["services"] for r in s["revisions"]}
+    assert revs["trainer-shard-0-00002"]["warning"] is None and revs["sampler-00003"]["reason"] == "Unschedulable"
+    events_note = [n for n in doc["notes"] if n.startswith("events:")]
+    assert len(events_note) == 1 and "HTTP 403 Forbidden" in events_note[0] and "Warning events" in events_note[0]
+    assert any(n.startswith("podautoscalers.autoscaling.internal.knative.dev: cannot be read (HTTP 403")
+               for n in doc["notes"])
+    assert EVENTS_PATH in fake.paths
+    monkeypatch.setenv("COLUMNS", "400")
+    assert cli_main(["status", "--cluster", "--kubeconfig", str(kubeconfig)]) == 0
+    out = capsys.readouterr().out
+    assert "Not shown: events: cannot be read in namespace openrl (HTTP 403 Forbidden)" in out
+    # all ready: events are not read, so nothing to say about them
+    fake.state = cluster_state(trainer=(0, 0), sampler=(0, 0))
+    fake.refuse = {EVENTS_PATH}
+    assert _status(capsys, "--kubeconfig", kubeconfig)["notes"] == []
+
+
+#: What Knative Eventing 1.22's Broker reconciler writes when the dead-letter sink is a ref to a
+#: Knative Service that has no address yet (knative.dev/pkg resolver: "address not set for ...").
+UNRESOLVED = "address not set for &{Service openrl gateway serving.knative.dev/v1 }"
+UNRESOLVED_REASON = "Unable to get the dead letter sink's URI"
+
+
+def unresolved_sink_state() -> dict[str, list[dict]]:
+    """The eventing chain before issue 34, while the gateway had never been ready: the Broker's
+    dead-letter sink (a ref to the gateway) does not resolve, so the Broker is not Ready, and
+    every Trigger shows the Broker's reason on BrokerReady (Knative copies it) and has no
+    Subscription."""
+    state = cluster_state(trainer=(0, 0), sampler=(0, 0))
+    state[f"{SERVING}/services"][0] = service("gateway", "gateway-00001", ready=False, reason="RevisionMissing",
+                                              message='Configuration "gateway" does not have any ready Revision.')
+    b = broker([_c("Ready", "False", UNRESOLVED_REASON, UNRESOLVED), _c("IngressReady", "True"),
+                _c("TriggerChannelReady", "True"), _c("FilterReady", "True"), _c("Addressable", "Unknown"),
+                _c("DeadLetterSinkResolved", "False", UNRESOLVED_REASON, UNRESOLVED)])
+    b["spec"]["delivery"]["deadLetterSink"] = {"ref": {"apiVersion": "serving.knative.dev/v1", "kind": "Service",
+                                                       "name": "gateway"}, "uri": "/events/dead-letter"}
+
+    def waiting(name, subscriber):
+        return trigger(name, subscriber, [_c("Ready", "False", UNRESOLVED_REASON, UNRESOLVED),
+                                          _c("BrokerReady", "False", UNRESOLVED_REASON, UNRESOLVED),
+                                          _c("SubscriptionReady", "Unknown"), _c("SubscriberResolved", "Unknown")])
+    state[f"{EVENTING}/brokers"] = [b]
+    state[f"{EVENTING}/triggers"] = [waiting("results", "gateway"), waiting("sampler", "sampler"),
+                                     waiting("trainer-shard-0", "trainer-shard-0")]
+    return state
+
+
+def test_a_broker_whose_dead_letter_sink_does_not_resolve_is_named_as_the_cause(kube, capsys, monkeypatch):
+    """Issue 34, item 2: the Broker is not Ready because its dead-letter sink does not resolve;
+    the view says so and what it means (no Subscription for any Trigger: no function receives
+    events), and each Trigger points at the Broker rather than at its own sink (Knative copies the
+    Broker's reason onto the Trigger's BrokerReady, which reads as if the Trigger's sink failed).
+    A Trigger whose own subscriber does not resolve is named too; a ready chain says nothing."""
+    fake, kubeconfig = kube
+    assert _status(capsys, "--kubeconfig", kubeconfig)["eventing"] == [
+        {"kind": k, "name": n, "ready": "True", "reason": None, "message": None, "cause": None}
+        for k, n in (("Broker", "openrl"), ("Trigger", "results"), ("Trigger", "sampler"), ("Trigger", "trainer-shard-0"))]
+
+    fake.state = unresolved_sink_state()
+    doc = _status(capsys, "--kubeconfig", kubeconfig)
+    ev = {(e["kind"], e["name"]): e for e in doc["eventing"]}
+    b = ev[("Broker", "openrl")]
+    assert (b["ready"], b["reason"], b["message"]) == ("False", UNRESOLVED_REASON, UNRESOLVED)
+    assert b["cause"].startswith(f"its dead-letter sink does not resolve ({UNRESOLVED_REASON}: {UNRESOLVED})")
+    assert "creates no Subscription for any Trigger" in b["cause"]
+    assert ev[("Trigger", "sampler")]["cause"] == "its Broker is not Ready (see the Broker's line): it has no Subscription"
+    monkeypatch.setenv("COLUMNS", "400")
+    assert cli_main(["status", "--cluster", "--kubeconfig", str(kubeconfig)]) == 0
+    out = capsys.readouterr().out
+    assert "Knative Eventing" in out
+    assert "Broker/openrl is not Ready: its dead-letter sink does not resolve" in out
+    assert "no function receives an event" in out and "plain uri" in out
+    assert "Trigger/trainer-shard-0 is not Ready: its Broker is not Ready" in out
+
+    fake.state = cluster_state(trainer=(0, 0), sampler=(0, 0))
+    gone = ("Unable to get the Subscriber's URI",
+            'failed to get object openrl/sampler: services.serving.knative.dev "sampler" not found')
+    fake.state[f"{EVENTING}/triggers"][1] = trigger("sampler", "sampler", [
+        _c("Ready", "False", *gone), _c("BrokerReady", "True"), _c("SubscriberResolved", "False", *gone)])
+    cause = {e["name"]: e["cause"] for e in _status(capsys, "--kubeconfig", kubeconfig)["eventing"]}
+    assert cause["sampler"].startswith("its subscriber does not resolve (Unable to get the Subscriber's URI: failed to get")
+    assert cause["openrl"] is None and cause["results"] is None
+
+
+def test_eventing_that_cannot_be_read_is_a_line_not_an_error(kube, capsys):
+    """No Knative Eventing on the cluster (404), or RBAC without list on Brokers (403): the
+    Serving view still shows, with one line saying why the Eventing one does not."""
+    fake, kubeconfig = kube
+    del fake.state[f"{EVENTING}/brokers"], fake.state[f"{EVENTING}/triggers"]
+    doc = _status(capsys, "--kubeconfig", kubeconfig)
+    assert doc["eventing"] is None and [s["name"] for s in doc["services"]] == ["gateway", "sampler", "trainer-shard-0"]
+    assert doc["notes"] == ["brokers.eventing.knative.dev, triggers.eventing.knative.dev: cannot be read "
+                            "(HTTP 404 Not Found); is Knative Eventing installed?"]
+    fake.state = cluster_state(trainer=(0, 0), sampler=(0, 0))
+    fake.refuse = {f"{EVENTING}/brokers"}
+    doc = _status(capsys, "--kubeconfig", kubeconfig)
+    assert doc["eventing"] is None and doc["notes"] == [
+        "brokers.eventing.knative.dev: cannot be read (HTTP 403 Forbidden)"]
 
 
 # -- NATS pending work ------------------------------------------------------------------------
