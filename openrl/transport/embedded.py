@@ -39,14 +39,12 @@ import asyncio
 import errno
 import json
 import os
-import random
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,61 +58,6 @@ from openrl.transport import pidfile, portsfile, tether
 
 if TYPE_CHECKING:
     from openrl.transport.supervisor import Supervisor
-
-
-#: Where Linux says which local ports outgoing connections draw from.
-PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-#: The kernel's ephemeral port range where :data:`PORT_RANGE_FILE` cannot be read (Linux's default).
-EPHEMERAL_FALLBACK = (32768, 60999)
-#: :func:`free_port` picks at or above this port, below the ephemeral range.
-PICK_FLOOR = 20000
-_handed_out: set[int] = set()  # every port free_port() returned in this process
-_handed_lock = threading.Lock()
-
-
-def ephemeral_range() -> tuple[int, int]:
-    """(low, high) of the kernel's ephemeral port range, where outgoing connections get their
-    local port (:data:`PORT_RANGE_FILE`; :data:`EPHEMERAL_FALLBACK` when that cannot be read)."""
-    try:
-        low, high = map(int, PORT_RANGE_FILE.read_text().split())
-    except (OSError, ValueError):
-        return EPHEMERAL_FALLBACK
-    return low, high
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 for a server that binds it later (nats-server, the gateway, a
-    push receiver, a test's fake server).
-
-    A number picked now and bound later can be taken in between; the pick keeps that unlikely:
-    a random port below the kernel's ephemeral range (``[PICK_FLOOR, low)``, or ``[1024, low)``
-    when ``low`` is lower, or above ``high`` when even that is empty), so no outgoing
-    connection (which draws its local port from that range) can take it; one that can be bound
-    now; and never one this process handed out before. Processes that can bind port 0
-    themselves and report what they got should do that instead.
-
-    Raises:
-        OSError: no bindable port was found (the range is exhausted or empty).
-    """
-    low, high = ephemeral_range()
-    pool = range(PICK_FLOOR, low) or range(1024, low) or range(high + 1, 65536)
-    if not pool:
-        raise OSError(f"every TCP port above 1023 is in the ephemeral range {low}-{high}: none to pick")
-    rng = random.SystemRandom()
-    with _handed_lock:
-        for _ in range(min(len(pool), 200)):
-            port = rng.choice(pool)
-            if port in _handed_out:
-                continue
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            _handed_out.add(port)
-            return port
-    raise OSError(f"no free TCP port found in {pool.start}-{pool.stop - 1} (outside the ephemeral range "
-                  f"{low}-{high})")
 
 
 class PortHold:
