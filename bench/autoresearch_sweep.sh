@@ -19,21 +19,25 @@ rm -rf "$OUT/seq"* "$OUT/par"* "$OUT/warmup"* "$OUT/sweep.json"; mkdir -p "$OUT"
 T0=$(date +%s)
 now() { "$PY" -c "import time; print(f'{time.time():.3f}')"; }
 sub() { "$PY" -c "import sys; print(round(float(sys.argv[1]) - float(sys.argv[2]), 2))" "$1" "$2"; }
-PORT=$("$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])")
+# --port 0: any free port, bound by the serve; its URL is read from this serve's <state>/ports.json
+mkdir -p "$STATE"; rm -f "$STATE/ports.json"
 # shellcheck disable=SC2086
-"$PY" -c "import sys; from openrl.cli import main; sys.exit(main())" serve --state-dir "$STATE" --port "$PORT" \
+"$PY" -c "import sys; from openrl.cli import main; sys.exit(main())" serve --state-dir "$STATE" --port 0 \
     --idle-timeout "$IDLE" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1 &
 SERVE=$!; trap 'kill $SERVE 2>/dev/null; wait $SERVE 2>/dev/null' EXIT
-"$PY" - "$PORT" <<'PYEOF'
-import sys, time, urllib.request
+URL=$("$PY" - "$STATE/ports.json" <<'PYEOF'
+import json, sys, time, urllib.request
 while True:
     try:
-        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/api/v1/healthz", timeout=2); break
-    except OSError:
+        url = json.load(open(sys.argv[1]))["gateway"]
+        urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=2); break
+    except (OSError, ValueError, KeyError):
         time.sleep(0.5)
+print(url)
 PYEOF
-echo "[$(( $(date +%s) - T0 ))s] healthy"
-export TINKER_BASE_URL=http://127.0.0.1:$PORT TINKER_API_KEY=$(cat "$STATE/api_key") TINKER_TELEMETRY=0
+)
+echo "[$(( $(date +%s) - T0 ))s] healthy on $URL"
+export TINKER_BASE_URL=$URL TINKER_API_KEY=$(cat "$STATE/api_key") TINKER_TELEMETRY=0
 echo '{"learning_rate": [0.01], "rank": [8], "group_size": [4], "loss": ["importance_sampling"], "reward": ["arithmetic/shaped"]}' > "$OUT/space.json"
 run() {  # parallel tag [driver args...]: prints the wall seconds
   local par=$1 tag=$2; shift 2

@@ -30,12 +30,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def run_binding(binding: str, state: Path, args) -> dict:
     """Start a supervised stack of ``binding`` (pull | push) in ``state``, soak it, stop it."""
     from chaos import SOAK_ENV, soak, summary
-    from openrl.transport.embedded import Stack, free_port
+    from openrl.transport.embedded import Stack
 
     state.mkdir(parents=True, exist_ok=True)
     if args.models and not (state / "models").exists():
         (state / "models").symlink_to(Path(args.models).resolve(), target_is_directory=True)
-    stack = Stack(state_dir=state, port=free_port(), supervise=True, push=binding == "push",
+    stack = Stack(state_dir=state, port=0, supervise=True, push=binding == "push",
                   extra_env=dict(SOAK_ENV)).start()
     try:
         counts = soak(stack, seed=args.seed, runs=args.runs, min_steps=args.min_steps, save_every=args.save_every,

@@ -77,13 +77,13 @@ def main() -> int:
     import tinker
     from tinker import types
 
-    from openrl.transport.embedded import Stack, free_port
+    from openrl.transport.embedded import Stack
 
     state = Path(args.state_dir or tempfile.mkdtemp(prefix="openrl-bench-gw-"))
     state.mkdir(parents=True, exist_ok=True)
     if args.models and not (state / "models").exists():
         (state / "models").symlink_to(Path(args.models), target_is_directory=True)
-    stack = Stack(state_dir=state, port=args.port or free_port()).start()
+    stack = Stack(state_dir=state, port=args.port).start()  # 0: any free port
     rows = []
     try:
         gw = next(p for p in stack.procs if "functions.gateway" in p.args)

@@ -185,16 +185,6 @@ def conformance_env(state: Path) -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    """A port for the serve's gateway: :func:`openrl.transport.embedded.free_port` (below the
-    kernel's ephemeral range, so no outgoing connection takes it before the gateway binds it)."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from openrl.transport.embedded import free_port
-
-    return free_port()
-
-
 def start_serve(state: Path, serve_args: str, env: dict[str, str], log: Path, timeout_s: float) -> subprocess.Popen:
     """Start ``openrl serve --state-dir STATE [--port P] SERVE_ARGS`` (own process group, output to
     ``log``) and wait until its gateway answers ``/api/v1/healthz``.
@@ -207,7 +197,7 @@ def start_serve(state: Path, serve_args: str, env: dict[str, str], log: Path, ti
     args = shlex.split(serve_args)
     cmd = [sys.executable, "-m", "openrl.cli", "serve", "--state-dir", str(state), *args]
     if "--port" not in args:
-        cmd += ["--port", str(_free_port())]
+        cmd += ["--port", "0"]  # any free port, bound by the serve; its URL is read from ports.json
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env, "TINKER_TELEMETRY": "0"}, stdout=log.open("ab"),
                             stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + timeout_s

@@ -83,7 +83,7 @@ def e2e(storage: str, models: Path, ranks: list[int], repeats: int, emulator: st
     import tinker
     from tinker import types
 
-    from openrl.transport.embedded import Stack, free_port
+    from openrl.transport.embedded import Stack
     from openrl.storage import TinkerPath, open_storage
 
     state = work / f"state-{storage}"
@@ -99,7 +99,7 @@ def e2e(storage: str, models: Path, ranks: list[int], repeats: int, emulator: st
         gcs.Client(project="openrl-test", credentials=AnonymousCredentials()).create_bucket(bucket)
         kw = {"storage": f"gs://{bucket}/ckpt",
               "extra_env": {"STORAGE_EMULATOR_HOST": emulator, "OPENRL_FLUSH_INTERVAL_S": "0"}}
-    stack = Stack(state_dir=state, port=free_port(), **kw)
+    stack = Stack(state_dir=state, port=0, **kw)  # any free port
     t0 = time.perf_counter()
     stack.start()
     out: dict = {"stack_start_s": time.perf_counter() - t0, "ranks": {}}

@@ -35,16 +35,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    """A port for the serve's gateway: :func:`openrl.transport.embedded.free_port` (below the
-    kernel's ephemeral range, so no outgoing connection takes it before the gateway binds it)."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from openrl.transport.embedded import free_port as pick
-
-    return pick()
-
-
 def healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=2) as r:
@@ -56,9 +46,9 @@ def healthy(url: str) -> bool:
 def start(a, extra: list[str]) -> int:
     state = Path(a.state_dir)
     state.mkdir(parents=True, exist_ok=True)
-    port = a.port or free_port()
+    (state / "ports.json").unlink(missing_ok=True)  # the URL is read from this serve's
     cmd = [sys.executable, "-c", "import sys; from openrl.cli import main; sys.exit(main())", "serve",
-           "--state-dir", str(state), "--port", str(port)]
+           "--state-dir", str(state), "--port", str(a.port)]  # 0: any free port, bound by the serve
     for m in a.model or []:
         cmd += ["--model", m]
     cmd += extra
@@ -69,13 +59,16 @@ def start(a, extra: list[str]) -> int:
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                          start_new_session=True)
     (state / "serve.pid").write_text(str(p.pid))
-    url = f"http://127.0.0.1:{port}"
     while time.time() - t0 < a.wait_s:
         if p.poll() is not None:
             print(f"openrl serve exited with {p.returncode}; last lines of {state / 'serve.log'}:", file=sys.stderr)
             print("".join((state / "serve.log").read_text(errors="replace").splitlines(True)[-30:]), file=sys.stderr)
             return 1
-        if healthy(url):
+        try:
+            url = json.loads((state / "ports.json").read_text())["gateway"]
+        except (OSError, ValueError, KeyError):
+            url = None
+        if url and healthy(url):
             print(json.dumps({"base_url": url, "pid": p.pid, "start_s": round(time.time() - t0, 1)}), flush=True)
             return 0
         time.sleep(0.5)
@@ -147,7 +140,7 @@ def main() -> int:
     ap.add_argument("--base-model", default="Qwen/Qwen3-4B-Instruct-2507", help="warm: the model to drive")
     ap.add_argument("--state-dir", required=True)
     ap.add_argument("--model", action="append", help="NAME=DIR (repeatable), as openrl serve --model")
-    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--port", type=int, default=0, help="the gateway's port (default 0: any free port)")
     ap.add_argument("--wait-s", type=float, default=900.0)
     ap.add_argument("--grace-s", type=float, default=60.0)
     a = ap.parse_args(argv)

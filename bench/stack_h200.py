@@ -75,7 +75,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import stack_shapes as shapes  # noqa: E402
-from openrl.transport.embedded import free_port  # noqa: E402  (below the ephemeral range: see its doc)
+from openrl.transport.embedded import PortHold  # noqa: E402  (a port nothing else takes: see its doc)
 
 BASE = "Qwen/Qwen3-4B-Instruct-2507"
 LO, HI = 1000, 150000  # token ids away from the special tokens (Qwen vocabulary: 151,936)
@@ -137,7 +137,9 @@ class Serve:
     def __init__(self, state: Path, model_dir: Path | None, device: str, tag: str, idle_timeout: float | None = None):
         self.state, self.model_dir, self.device, self.tag = Path(state), model_dir, device, tag
         self.idle_timeout = idle_timeout  # OPENRL_IDLE_TIMEOUT (None: the default, 300 s)
-        self.port = free_port()
+        # the gateway's port, held for this object's life: every start of this serve binds it
+        self._port = PortHold()
+        self.port = self._port.port
         self.proc: subprocess.Popen | None = None
 
     @property

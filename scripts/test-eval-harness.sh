@@ -18,17 +18,19 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 STATE=$(mktemp -d "${TMPDIR:-/tmp}/openrl-eval.XXXXXX")
 if [ -n "${OPENRL_TEST_MODELS:-}" ]; then ln -s "$OPENRL_TEST_MODELS" "$STATE/models"; fi
-PORT=$(.venv/bin/python -c 'from openrl.transport.embedded import free_port; print(free_port())')
-TINKER_TELEMETRY=0 .venv/bin/openrl serve --port "$PORT" --state-dir "$STATE" >"$STATE/serve.log" 2>&1 &
+# --port 0: any free port, bound by the serve itself; its URL is in $STATE/ports.json (a new state dir)
+TINKER_TELEMETRY=0 .venv/bin/openrl serve --port 0 --state-dir "$STATE" >"$STATE/serve.log" 2>&1 &
 SERVE=$!
 cleanup() { kill -INT "$SERVE" 2>/dev/null || true; wait "$SERVE" 2>/dev/null || true; rm -rf "$STATE"; }
 trap cleanup EXIT
+URL=
 for _ in $(seq 1 300); do
-  if .venv/bin/python -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$PORT/api/v1/healthz').status_code != 200)" 2>/dev/null; then break; fi
+  URL=$(.venv/bin/python -c "import httpx,json,sys; u=json.load(open(sys.argv[1]))['gateway']; assert httpx.get(u+'/api/v1/healthz').status_code == 200; print(u)" "$STATE/ports.json" 2>/dev/null) && break
   kill -0 "$SERVE" 2>/dev/null || { cat "$STATE/serve.log"; echo "openrl serve exited" >&2; exit 1; }
   sleep 1
 done
-export OPENRL_EVAL_BASE_URL="http://127.0.0.1:$PORT" OPENRL_EVAL_API_KEY="$(cat "$STATE/api_key")"
+[ -n "$URL" ] || { cat "$STATE/serve.log"; echo "openrl serve did not answer within 300 s" >&2; exit 1; }
+export OPENRL_EVAL_BASE_URL="$URL" OPENRL_EVAL_API_KEY="$(cat "$STATE/api_key")"
 export OPENRL_EVAL_TOKENIZER="$STATE/models/tiny-qwen3" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 VENV=.venv-eval

@@ -57,14 +57,14 @@ def _make_stack(tmp_path_factory, models_dir: Path, **kw):
     skips (it needs a stack of its own)."""
     if EXTERNAL is not None:
         pytest.skip(skip_reason("starts its own stack"))
-    from openrl.transport.embedded import Stack, free_port
+    from openrl.transport.embedded import Stack
 
     state = tmp_path_factory.mktemp("state")
     (state / "models").symlink_to(models_dir, target_is_directory=True)
     (state / "api_key").write_text(_SESSION_KEY + "\n")
     # every process appends its finished trace spans here (openrl/tracing.py; tests/stack/test_tracing.py)
     kw["extra_env"] = {"OPENRL_TRACE_FILE": str(state / "traces.jsonl"), **kw.get("extra_env", {})}
-    return Stack(state_dir=state, port=free_port(), **kw)
+    return Stack(state_dir=state, port=0, **kw)  # any free port: the stack holds it before the gateway starts
 
 
 @pytest.fixture(scope="session")

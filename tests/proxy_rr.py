@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
 import threading
+import time
 
 import httpx
 import uvicorn
@@ -38,10 +40,10 @@ class RoundRobinProxy:
     ``skips``: connection attempts refused by an upstream (then tried on the next)."""
 
     def __init__(self, upstreams: list[str], port: int = 0):
-        from openrl.transport.embedded import free_port
-
         self.upstreams = list(upstreams)
-        self.port = port or free_port()
+        # bound and listening here, served by uvicorn from start(): the port is ours from the start
+        self._sock = socket.create_server(("127.0.0.1", port))
+        self.port: int = self._sock.getsockname()[1]
         self.hits: list[tuple[int, str, str]] = []
         self.skips = 0
         self._turn = itertools.count()
@@ -78,18 +80,23 @@ class RoundRobinProxy:
             return Response(r.content, status_code=r.status_code, headers=dict(out))
         return Response(f"no upstream answered: {last_exc}", status_code=502)
 
-    def start(self) -> "RoundRobinProxy":
-        """Serve on a background thread; returns once the port accepts connections."""
-        from openrl.transport.embedded import wait_port
+    def start(self, timeout_s: float = 30.0) -> "RoundRobinProxy":
+        """Serve on a background thread; returns once the server accepts connections.
 
+        Raises:
+            RuntimeError: the server did not start within ``timeout_s`` seconds.
+        """
         app = Starlette(routes=[Route("/{path:path}", self._forward,
                                       methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])])
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                     log_config=None, lifespan="off"))
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve()), daemon=True,
-                                        name="rr-proxy")
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None, lifespan="off"))
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve(sockets=[self._sock])),
+                                        daemon=True, name="rr-proxy")
         self._thread.start()
-        wait_port(self.port)
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the round-robin proxy on {self.url} did not start")
+            time.sleep(0.02)
         return self
 
     def stop(self) -> None:
@@ -97,6 +104,7 @@ class RoundRobinProxy:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self._sock.close()  # uvicorn closes it when it shuts down; this covers a proxy never started
 
     def __enter__(self) -> "RoundRobinProxy":
         return self.start()

@@ -246,7 +246,8 @@ def _add_gpu_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _port(text: str) -> int:
-    """``--port N``: a TCP port, 1..65535.
+    """``--port N``: a TCP port, 1..65535, or 0: any free port (the stack prints the URL it got
+    and writes it to ``<state>/ports.json``).
 
     Raises:
         argparse.ArgumentTypeError: not an integer in that range.
@@ -254,9 +255,10 @@ def _port(text: str) -> int:
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a TCP port number (1-65535), got {text!r}") from None
-    if not 1 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a TCP port number (1-65535), got {v}")
+        raise argparse.ArgumentTypeError(f"expected a TCP port number (1-65535, or 0: any free port), "
+                                         f"got {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port number (1-65535, or 0: any free port), got {v}")
     return v
 
 
@@ -299,7 +301,8 @@ def _configure_serve(sub, common: argparse.ArgumentParser) -> None:
         help="run the whole stack in one process (gateway, trainer, sampler, embedded NATS)",
     )
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=8000, help="gateway port (default 8000)")
+    p.add_argument("--port", type=_port, default=8000,
+                   help="gateway port (default 8000; 0: any free port, printed and written to <state>/ports.json)")
     p.add_argument("--storage", default=None, help="weight storage URL (default file://<state_dir>/storage)")
     p.add_argument("--no-build", action="store_true", help="do not build missing base models at start")
     p.add_argument("--push", action="store_true", help="functions as HTTP receivers behind a local dispatcher "
@@ -336,7 +339,7 @@ def _configure_run(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("script", help="Python script, e.g. examples/rl_loop.py")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--port", type=_port, default=8000, help="gateway port (default 8000; 0: any free port)")
     p.add_argument("--storage", default=None, help="weight storage URL (default file://<state_dir>/storage)")
     p.add_argument("--no-build", action="store_true")
     p.add_argument("--push", action="store_true", help="functions as HTTP receivers behind a local dispatcher")

@@ -9,7 +9,9 @@ Everything lives under a state directory (default ``~/.openrl``):
     <state>/storage             checkpoints (file:// storage)
     <state>/ports.json          gateway / NATS URLs and every process's Prometheus /metrics URL
                                 (openrl/transport/portsfile.py: the workers and the supervisor
-                                bind any free port for /metrics and record it there, at each start)
+                                bind any free port for /metrics and record it there, at each start;
+                                the ports of nats-server, the gateway and the --push receivers
+                                are held by the stack from before they start: PortHold)
     <state>/logs                one JSON-lines log per process (openrl/observe/logs.py)
     <state>/api_key             the generated ``tml-`` API key the examples read; the gateway
                                 accepts it (plus any OPENRL_API_KEYS / OPENRL_API_KEYS_FILE
@@ -34,16 +36,15 @@ start at zero, unless ``--model`` names models to preload).
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
-import random
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,69 +60,64 @@ if TYPE_CHECKING:
     from openrl.transport.supervisor import Supervisor
 
 
-#: Where Linux says which local ports outgoing connections draw from.
-PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-#: The kernel's ephemeral port range where :data:`PORT_RANGE_FILE` cannot be read (Linux's default).
-EPHEMERAL_FALLBACK = (32768, 60999)
-#: :func:`free_port` picks at or above this port, below the ephemeral range.
-PICK_FLOOR = 20000
-_handed_out: set[int] = set()  # every port free_port() returned in this process
-_handed_lock = threading.Lock()
+class PortHold:
+    """A TCP port kept for a server that binds it later, in this process or another one.
 
+    A socket binds ``host:port`` (``port`` 0: the kernel picks a free one; :attr:`port` says
+    which) with ``SO_REUSEADDR`` and never listens. While it is open (Linux):
 
-def ephemeral_range() -> tuple[int, int]:
-    """(low, high) of the kernel's ephemeral port range, where outgoing connections get their
-    local port (:data:`PORT_RANGE_FILE`; :data:`EPHEMERAL_FALLBACK` when that cannot be read)."""
-    try:
-        low, high = map(int, PORT_RANGE_FILE.read_text().split())
-    except (OSError, ValueError):
-        return EPHEMERAL_FALLBACK
-    return low, high
+    - a server that binds the same address with ``SO_REUSEADDR`` gets it and listens on it:
+      uvicorn (asyncio's ``create_server``), Python's ``http.server``, Go's ``net.Listen``
+      (nats-server, fake-gcs-server) all set that option; once one listens nobody else can bind it;
+    - nothing else takes it meanwhile: a bind without ``SO_REUSEADDR`` fails with ``EADDRINUSE``,
+      and the kernel hands it neither to a ``bind`` to port 0 nor to an outgoing connection as its
+      local port (a port with a bound socket is skipped);
+    - a connection to it is refused while no server listens (not started yet, or died).
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 for a server that binds it later (nats-server, the gateway, a
-    push receiver, a test's fake server).
-
-    A number picked now and bound later can be taken in between; the pick keeps that unlikely:
-    a random port below the kernel's ephemeral range (``[PICK_FLOOR, low)``, or ``[1024, low)``
-    when ``low`` is lower, or above ``high`` when even that is empty), so no outgoing
-    connection (which draws its local port from that range) can take it; one that can be bound
-    now; and never one this process handed out before. Processes that can bind port 0
-    themselves and report what they got should do that instead.
+    So the port is known before its server starts, a restarted server binds the same port, and
+    nothing can take it between the two (the window a picked number leaves between the pick and
+    the bind, which failed CI with ``EADDRINUSE``: issue 34 item 4). Close the hold once the
+    server is gone for good.
 
     Raises:
-        OSError: no bindable port was found (the range is exhausted or empty).
+        OSError: ``host:port`` cannot be bound (``EADDRINUSE``: a server listens there, or a
+            socket without ``SO_REUSEADDR`` holds it).
     """
-    low, high = ephemeral_range()
-    pool = range(PICK_FLOOR, low) or range(1024, low) or range(high + 1, 65536)
-    if not pool:
-        raise OSError(f"every TCP port above 1023 is in the ephemeral range {low}-{high}: none to pick")
-    rng = random.SystemRandom()
-    with _handed_lock:
-        for _ in range(min(len(pool), 200)):
-            port = rng.choice(pool)
-            if port in _handed_out:
-                continue
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            _handed_out.add(port)
-            return port
-    raise OSError(f"no free TCP port found in {pool.start}-{pool.stop - 1} (outside the ephemeral range "
-                  f"{low}-{high})")
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        self.host = host
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((host, port))
+        except BaseException:
+            self._sock.close()
+            raise
+        self.port: int = self._sock.getsockname()[1]
+
+    def close(self) -> None:
+        """Let the port go (a server listening on it keeps it)."""
+        self._sock.close()
+
+    def __enter__(self) -> "PortHold":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-def wait_port(port: int, timeout_s: float = 30.0) -> None:
-    """Block until 127.0.0.1:port accepts connections.
+def wait_port(port: int, timeout_s: float = 30.0, proc: subprocess.Popen | None = None) -> None:
+    """Block until 127.0.0.1:port accepts connections (and the server's process ``proc``, when
+    given, runs).
 
     Raises:
         TimeoutError: not listening after ``timeout_s`` seconds.
+        RuntimeError: ``proc`` exited first.
     """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server for 127.0.0.1:{port} exited with {proc.returncode} before it listened")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 return
@@ -142,7 +138,16 @@ def nats_server_binary() -> str:
 
 
 def start_nats(state_dir: Path, port: int) -> subprocess.Popen:
-    """Start nats-server with JetStream on 127.0.0.1:port, data under ``state_dir/nats``."""
+    """Start nats-server with JetStream on 127.0.0.1:port, data under ``state_dir/nats``; returns
+    once it listens. Hold the port with a :class:`PortHold` for as long as the server (and any
+    restart of it on the same port) may need it: nats-server cannot take a listening socket from
+    its parent, but binds a held port (Go sets ``SO_REUSEADDR``).
+
+    Raises:
+        RuntimeError: nats-server exited before it listened (e.g. the port is taken; its output
+            is in ``state_dir/nats.log``).
+        TimeoutError: it did not listen within 30 s.
+    """
     conf = state_dir / "nats.conf"
     conf.write_text("max_payload: 8MB\n")
     (state_dir / "nats").mkdir(parents=True, exist_ok=True)
@@ -152,7 +157,15 @@ def start_nats(state_dir: Path, port: int) -> subprocess.Popen:
              str(state_dir / "nats")],
             name="nats", state_dir=state_dir, stdout=log, stderr=subprocess.STDOUT,
         )
-    wait_port(port)
+    try:
+        wait_port(port, proc=proc)
+    except RuntimeError:
+        raise RuntimeError(f"nats-server exited with {proc.returncode} before it listened on 127.0.0.1:{port}; "
+                           f"its output is in {state_dir / 'nats.log'}") from None
+    except BaseException:
+        proc.kill()  # not listening in time: no half-started server stays behind
+        proc.wait()
+        raise
     return proc
 
 
@@ -178,9 +191,9 @@ class Stack:
 
     state_dir: Path
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int | None = 0  # the gateway's; 0 / None: any free port (start() sets the one bound)
     storage: str | None = None
-    nats_port: int = 0
+    nats_port: int = 0  # 0: any free port (start() sets the one bound)
     build: bool = True
     procs: list[subprocess.Popen | None] = field(default_factory=list)  # None: a worker not started yet
     push: bool = False  # functions as HTTP receivers fed by a local dispatcher (the Knative Eventing path)
@@ -192,6 +205,9 @@ class Stack:
     supervise: bool = False  # restart dead processes, scale idle workers to zero (openrl serve / run)
     idle_timeout: float = 0.0  # --idle-timeout: seconds a worker may idle before it stops (supervise; 0 = never)
     supervisor: "Supervisor | None" = None  # set by start() when supervise
+    # the ports of the gateway, nats-server and the push receivers, held from before their servers
+    # start until stop() (PortHold: a restart binds the same port and nothing takes it meanwhile)
+    _holds: dict[str, PortHold] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def base_url(self) -> str:
@@ -252,27 +268,48 @@ class Stack:
 
         Blocks until the gateway answers ``/api/v1/healthz``.
 
+        The gateway's port (``port``; 0 or None: any free one) and nats-server's are held
+        (:class:`PortHold`) before anything starts, and :attr:`port` / :attr:`nats_port` /
+        ``<state>/ports.json`` say which they are.
+
         Raises:
             openrl.errors.CLIError: the state dir's previous stack still partly runs, the port is
                 taken, or a process exited / the gateway did not answer while starting (what was
                 started is stopped again).
-            TimeoutError: nats-server did not listen.
+            RuntimeError, TimeoutError: nats-server did not listen.
         """
         self.state_dir.mkdir(parents=True, exist_ok=True)
         left = pidfile.alive(self.state_dir)
         if left:
             raise CLIError(pidfile.describe(left, self.state_dir))
-        with socket.socket() as probe:
-            if probe.connect_ex((self.host, self.port)) == 0:
-                raise CLIError(f"{self.host}:{self.port} is already in use (another openrl serve, or another "
-                               f"program); pick a free port with --port, or stop the other one "
-                               f"(`openrl stop --state-dir DIR` for an openrl stack)")
+        try:
+            gateway = PortHold(self.host, self.port or 0)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise CLIError(f"cannot listen on {self.host}:{self.port}: {exc}") from None
+            raise CLIError(f"{self.host}:{self.port} is already in use (another openrl serve, or another "
+                           f"program); pick a free port with --port, or stop the other one "
+                           f"(`openrl stop --state-dir DIR` for an openrl stack)") from None
+        self._holds["gateway"], self.port = gateway, gateway.port
+        try:
+            self._start()
+        except BaseException:  # nothing of a stack that did not start stays behind
+            self.stop()
+            raise
+        return self
+
+    def _hold(self, name: str, port: int = 0) -> int:
+        """Hold a port on 127.0.0.1 for process ``name`` until :meth:`stop` (0: any free one); returns it."""
+        self._holds[name] = PortHold("127.0.0.1", port)
+        return self._holds[name].port
+
+    def _start(self) -> None:
         pidfile.start(self.state_dir)
         self.storage = self.storage or (self.state_dir / "storage").as_uri()
         registry = ModelRegistry.load(Settings().registry_path, models_dir=self.state_dir / "models")
         if self.build:
             ensure_built(registry)
-        self.nats_port = self.nats_port or free_port()
+        self.nats_port = self._hold("nats", self.nats_port)  # restarts listen on the same port
         env = self.env()
         self._internal_token = secrets.token_urlsafe(24)  # /events/* sinks: gateway and dispatcher only
         logs = self.state_dir / "logs"
@@ -284,8 +321,8 @@ class Stack:
         known = {"gateway": f"{self.base_url}/metrics"}  # metrics URLs known before anything starts
         for module in ("functions.trainer", "functions.sampler"):
             name = module.split(".")[-1]
-            if self.push:  # the dispatcher needs the receiver's URL up front: a picked port
-                port = free_port()
+            if self.push:  # the dispatcher needs the receiver's URL up front: a held port
+                port = self._hold(name)
                 cmd = [sys.executable, "-m", "openrl.transport.bindings.http", module, "--host", "127.0.0.1", "--port", str(port)]
                 routes += ["--route", f"{name}=http://127.0.0.1:{port}"]
                 known[name] = f"http://127.0.0.1:{port}/metrics"
@@ -313,16 +350,11 @@ class Stack:
         portsfile.update(self.ports_file, fresh=True, gateway=self.base_url, nats=self.nats_url, metrics=known)
         for _, spawn, _, cons in specs:  # workers that scale to zero start at zero (unless --model preloads)
             self.procs.append(None if cons and self._starts_at_zero else spawn())
-        try:
-            self._wait_healthy()
-            self._wait_reported({i: name for i, (name, _, _, cons) in enumerate(specs)
-                                 if cons and self.procs[i] is not None})
-        except BaseException:  # nothing of a stack that did not start stays behind
-            self.stop()
-            raise
+        self._wait_healthy()
+        self._wait_reported({i: name for i, (name, _, _, cons) in enumerate(specs)
+                             if cons and self.procs[i] is not None})
         if self.supervise:
             self._start_supervisor(specs)
-        return self
 
     @property
     def _starts_at_zero(self) -> bool:
@@ -435,6 +467,9 @@ class Stack:
                 except subprocess.TimeoutExpired:
                     p.kill()
         self.procs.clear()
+        for hold in self._holds.values():  # every server is gone: the ports may go
+            hold.close()
+        self._holds.clear()
         pidfile.clear(self.state_dir)
         self._clear_handoff()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from openrl.transport.bus import FUTURES_BUCKET, META_BUCKET, Bus
-from openrl.transport.embedded import free_port, start_nats
+from openrl.transport.embedded import PortHold, start_nats
 
 
 async def test_kv_keys_lists_every_live_key_even_under_concurrent_writes(tmp_path):
@@ -13,7 +13,8 @@ async def test_kv_keys_lists_every_live_key_even_under_concurrent_writes(tmp_pat
     times in a row while other keys are being written; deleted keys are left out; a prefix
     is filtered by the server (one matching nothing answers at once). nats-py's own
     ``KeyValue.keys()`` races its end marker against the deliveries and could miss them all."""
-    port = free_port()
+    hold = PortHold()  # a free port, held until the server is gone
+    port = hold.port
     nats = start_nats(tmp_path, port)
     bus = await Bus(f"nats://127.0.0.1:{port}").connect()
     try:
@@ -41,3 +42,4 @@ async def test_kv_keys_lists_every_live_key_even_under_concurrent_writes(tmp_pat
         await bus.close()
         nats.terminate()
         nats.wait(timeout=30)
+        hold.close()

@@ -33,7 +33,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from openrl.cli import main as cli_main  # noqa: E402
 from openrl.contract.topology import SAMPLE_STREAM, TRAIN_STREAM, sample_subject, train_subject  # noqa: E402
 from openrl.transport.bus import Bus  # noqa: E402
-from openrl.transport.embedded import free_port, start_nats  # noqa: E402
+from openrl.transport.embedded import PortHold, start_nats  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_DIRS = [ROOT / "tests" / "data" / "schemas", ROOT.parent / "shared" / "schemas"]  # vendored first (CI: no ../shared)
@@ -545,9 +545,9 @@ def test_cluster_status_shows_pending_work_of_a_real_nats_server(kube, capsys, t
     come first; a NATS URL with no server is an error naming it."""
     _, kubeconfig = kube
     monkeypatch.setenv("COLUMNS", "200")
-    port = free_port()
-    nats = start_nats(tmp_path, port)
-    url = f"nats://127.0.0.1:{port}"
+    hold = PortHold()  # held to the end: after the server stops nothing else listens there
+    nats = start_nats(tmp_path, hold.port)
+    url = f"nats://127.0.0.1:{hold.port}"
     try:
         asyncio.run(_queue_work(url))
         doc = _status(capsys, "--kubeconfig", kubeconfig, "--nats-url", url)
@@ -566,8 +566,11 @@ def test_cluster_status_shows_pending_work_of_a_real_nats_server(kube, capsys, t
     finally:
         nats.terminate()
         nats.wait(timeout=30)
-    assert cli_main(["status", "--cluster", "--kubeconfig", str(kubeconfig), "--nats-url", url]) == 1
-    assert f"cannot reach NATS at {url}" in capsys.readouterr().err
+    try:
+        assert cli_main(["status", "--cluster", "--kubeconfig", str(kubeconfig), "--nats-url", url]) == 1
+        assert f"cannot reach NATS at {url}" in capsys.readouterr().err
+    finally:
+        hold.close()
 
 
 def test_not_ready_revisions_show_their_reason_and_message(kube, capsys, monkeypatch):

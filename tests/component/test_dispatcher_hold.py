@@ -19,13 +19,14 @@ from nats_helpers import nats_url  # noqa: F401  (fixture)
 from openrl.contract import events, topology
 from openrl.transport.bindings.dispatcher import Dispatcher
 from openrl.transport.bus import Bus
-from openrl.transport.embedded import free_port
+from openrl.transport.embedded import PortHold
 
 
 class Sink:
-    """An HTTP server recording the bodies POSTed to it; answers ``reply`` (status, body)."""
+    """An HTTP server on 127.0.0.1:``port`` (0: any free port; ``server.server_port`` says which)
+    recording the bodies POSTed to it; answers ``reply`` (status, body)."""
 
-    def __init__(self, port: int, reply: tuple[int, bytes] = (202, b"")):
+    def __init__(self, port: int = 0, reply: tuple[int, bytes] = (202, b"")):
         self.got: list[tuple[str, bytes]] = []
         sink = self
 
@@ -41,7 +42,7 @@ class Sink:
             def log_message(self, *a):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), H)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), H)  # SO_REUSEADDR: binds a held port
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self):
@@ -51,8 +52,10 @@ class Sink:
 
 async def _run(nats_url: str, *, receiver_after_s: float | None, unreachable_s: float) -> tuple[list, list]:
     bus = await Bus(nats_url).connect()
-    target_port = free_port()
-    gw = Sink(free_port())
+    # the receiver's port is known up front and refuses connections until its server binds it
+    target = PortHold()
+    target_port = target.port
+    gw = Sink()
     gateway = f"http://127.0.0.1:{gw.server.server_port}"
     c = topology.consumer("sampler", 0).as_dict()
     c.pop("source")
@@ -80,6 +83,7 @@ async def _run(nats_url: str, *, receiver_after_s: float | None, unreachable_s: 
         gw.close()
         if receiver:
             receiver.close()
+        target.close()
 
 
 def test_an_event_waits_for_a_restarting_receiver(nats_url):

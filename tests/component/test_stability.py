@@ -16,7 +16,7 @@ from functions.trainer.losses import RECORDED_LOGPROBS, SAMPLED_MASK
 from openrl.contract.stability import TTL_S, SequenceRecord, sequence_ids
 from openrl.edge.proto import FwdBwdDatum, FwdBwdRequest, Span
 from openrl.errors import UserError
-from openrl.transport.embedded import free_port, start_nats
+from openrl.transport.embedded import PortHold, start_nats
 from openrl.transport.stability import StabilityStore
 
 SESSION = "sess-a"
@@ -37,14 +37,14 @@ class Clock:
 
 @pytest.fixture()
 def store(tmp_path):
-    port = free_port()
-    proc = start_nats(tmp_path, port)
-    clock = Clock()
-    s = StabilityStore(f"nats://127.0.0.1:{port}", clock=clock)
-    s.test_clock = clock
-    yield s
-    proc.terminate()
-    proc.wait(timeout=30)
+    with PortHold() as hold:  # a free port, held until the server is gone
+        proc = start_nats(tmp_path, hold.port)
+        clock = Clock()
+        s = StabilityStore(f"nats://127.0.0.1:{hold.port}", clock=clock)
+        s.test_clock = clock
+        yield s
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def _record(session=SESSION, owner="o1", t=1_000_000.0) -> SequenceRecord:

@@ -81,9 +81,8 @@ def test_gateway_process_refuses_to_start_without_keys(tmp_path):
            if k not in ("OPENRL_API_KEYS", "OPENRL_API_KEYS_FILE", "OPENRL_INSECURE_ANY_KEY")}
     env.update(OPENRL_HOME=str(tmp_path), OPENRL_STORAGE=(tmp_path / "s").as_uri(),
                OPENRL_NATS_URL="nats://127.0.0.1:9")  # never reached: it must stop before connecting
-    from openrl.transport.embedded import free_port
-
-    r = subprocess.run([sys.executable, "-m", "functions.gateway", "--port", str(free_port())], env=env,
+    # port 0: it stops before it binds anything, and would bind any free port if it did not
+    r = subprocess.run([sys.executable, "-m", "functions.gateway", "--port", "0"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "no API keys configured" in r.stderr

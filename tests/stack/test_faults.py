@@ -379,9 +379,10 @@ async def test_gateway_retry_republishes_a_request_whose_publish_failed(tmp_path
     adds no second message (same Nats-Msg-Id)."""
     from functions.gateway.context import Gateway
     from openrl.transport.bus import SAMPLE_STREAM, Bus, FutureRecord
-    from openrl.transport.embedded import free_port, start_nats
+    from openrl.transport.embedded import PortHold, start_nats
 
-    port = free_port()
+    port_hold = PortHold()  # a free port, held until the server is gone
+    port = port_hold.port
     nats = start_nats(tmp_path, port)
     bus = await Bus(f"nats://127.0.0.1:{port}").connect()
     try:
@@ -401,6 +402,7 @@ async def test_gateway_retry_republishes_a_request_whose_publish_failed(tmp_path
         await bus.close()
         nats.terminate()
         nats.wait(timeout=30)
+        port_hold.close()
 
 
 async def _never_ack(bus, cons: dict, rid: str, max_wait_s: float = 60.0) -> int:
@@ -430,10 +432,11 @@ async def test_a_request_no_worker_finishes_fails_its_future(tmp_path):
     from openrl.contract import events
     from openrl.transport.bindings.jetstream import JetStreamWorker
     from openrl.transport.bus import SAMPLE_STREAM, TRAIN_STREAM, Bus, FutureRecord, sample_subject, train_subject
-    from openrl.transport.embedded import free_port, start_nats
+    from openrl.transport.embedded import PortHold, start_nats
     from openrl.transport.worker import consumer_for
 
-    port = free_port()
+    port_hold = PortHold()  # a free port, held until the server is gone
+    port = port_hold.port
     nats = start_nats(tmp_path, port)
     bus = await Bus(f"nats://127.0.0.1:{port}", ack_wait_s=1, max_deliver=2).connect()
     try:
@@ -479,6 +482,7 @@ async def test_a_request_no_worker_finishes_fails_its_future(tmp_path):
         await bus.close()
         nats.terminate()
         nats.wait(timeout=30)
+        port_hold.close()
 
 
 async def test_gateway_dead_letter_sink_fails_the_future_and_skips_the_seq_id(keyed_stack):

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE_MODEL, _make_stack
-from openrl.transport.embedded import free_port
+from openrl.transport.embedded import PortHold
 from proxy_rr import RoundRobinProxy
 from test_faults import LOST_S, _lps, _new_run, _run_id, _service, _step, _submit_step, _wait_future, _weights
 from test_trainer_resume import _assert_same
@@ -44,7 +44,8 @@ from tolerances import TOL, check_close  # noqa: E402
 def replicas(tmp_path_factory, models_dir):
     """The stack (gateway A), gateway B on another port, the proxy over both."""
     stack = _make_stack(tmp_path_factory, models_dir).start()
-    port_b = free_port()
+    hold_b = PortHold()  # B's port, held until B is gone (uvicorn binds a held port)
+    port_b = hold_b.port
     log = open(stack.state_dir / "logs" / "gateway-b.log", "ab")
     gw_b = subprocess.Popen([sys.executable, "-m", "functions.gateway", "--host", "127.0.0.1", "--port", str(port_b)],
                             env=stack.gateway_env(stack.env()), stdout=log, stderr=subprocess.STDOUT)
@@ -67,6 +68,7 @@ def replicas(tmp_path_factory, models_dir):
     proxy.stop()
     gw_b.terminate()
     gw_b.wait(timeout=30)
+    hold_b.close()
     stack.stop()
 
 

@@ -31,7 +31,7 @@ import psutil
 import pytest
 
 from openrl.transport import pidfile
-from openrl.transport.embedded import free_port
+from openrl.transport.embedded import PortHold
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 
@@ -79,11 +79,18 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_sigkill_of_openrl_serve_leaves_no_process(tmp_path, models_dir):
+@pytest.fixture
+def port():
+    """A free port held for the whole test (:class:`PortHold`): both ``openrl serve`` get it, and
+    nothing else can take it between the first one's death and the second one's start."""
+    with PortHold() as hold:
+        yield hold.port
+
+
+def test_sigkill_of_openrl_serve_leaves_no_process(tmp_path, models_dir, port):
     state = tmp_path / "state"
     state.mkdir()
     (state / "models").symlink_to(models_dir, target_is_directory=True)
-    port = free_port()
     sup = serve(state, port, "--idle-timeout", "0")
     started: list[int] = []
     try:
@@ -99,7 +106,7 @@ def test_sigkill_of_openrl_serve_leaves_no_process(tmp_path, models_dir):
         started.append(new["sampler"])
 
         other = subprocess.run([sys.executable, "-m", "openrl.cli", "serve", "--state-dir", str(state), "--port",
-                                str(free_port()), "--no-build"], capture_output=True, text=True, timeout=120)
+                                "0", "--no-build"], capture_output=True, text=True, timeout=120)
         assert other.returncode == 1 and "Traceback" not in other.stderr
         assert f"another openrl serve/run uses state dir {state}" in other.stderr
         assert f"supervisor (pid {sup.pid})" in other.stderr and "openrl stop --state-dir" in other.stderr

@@ -1,54 +1,76 @@
-"""``free_port()`` (openrl/transport/embedded.py) and ``<state>/ports.json`` (openrl/transport/portsfile.py).
+"""``PortHold`` (openrl/transport/embedded.py) and ``<state>/ports.json`` (openrl/transport/portsfile.py).
 
-A port picked now and bound later by another process must not be one an outgoing connection
-can take meanwhile (issue 34 item 4: the sampler's metrics port was taken between pick and
-bind): ``free_port`` picks below the kernel's ephemeral range, and never the same port twice in
-one process. Several processes record their metrics URLs in one ports.json: no update is lost.
+A port known before its server binds it must not be taken meanwhile (issue 34 item 4: the
+sampler's metrics port, a number picked before the server started, was taken between the pick
+and the bind): a PortHold keeps it bound, and only a server that shares it (``SO_REUSEADDR``)
+binds it. Servers that report their port bind port 0 and record it in ports.json; several
+processes record their metrics URLs there: no update is lost.
 """
 
 from __future__ import annotations
 
+import errno
 import socket
+import struct
 import threading
 
 import pytest
 
-from openrl.transport import embedded, portsfile
-from openrl.transport.embedded import ephemeral_range, free_port
+from openrl.transport import portsfile
+from openrl.transport.embedded import PortHold
 
 
-def test_ports_are_below_the_ephemeral_range_distinct_and_bindable():
-    low, _ = ephemeral_range()
-    ports = [free_port() for _ in range(300)]
-    assert len(set(ports)) == len(ports)
-    assert all(1024 <= p < low for p in ports), (low, min(ports), max(ports))
-    for p in ports[:20]:  # free now: nothing listens there
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", p))
+def test_a_held_port_is_taken_by_no_one_but_the_server_it_is_held_for():
+    """A PortHold refuses the port to a plain bind and to connections while no server listens;
+    a server binding it with SO_REUSEADDR (as uvicorn, http.server and Go's net.Listen do) gets
+    it, and again after it stopped (a restart); while one listens, nobody else binds it."""
+    with PortHold() as hold:
+        port = hold.port
+        assert port > 0
+        with socket.socket() as s, pytest.raises(OSError) as err:  # no SO_REUSEADDR: refused
+            s.bind(("127.0.0.1", port))
+        assert err.value.errno == errno.EADDRINUSE
+        for _ in range(2):  # the server, then a restart of it on the same port
+            with socket.socket() as c:
+                assert c.connect_ex(("127.0.0.1", port)) == errno.ECONNREFUSED  # nothing listens
+            with socket.create_server(("127.0.0.1", port)) as server:  # sets SO_REUSEADDR
+                with socket.create_connection(("127.0.0.1", port), timeout=10):
+                    pass
+                with socket.socket() as other, pytest.raises(OSError) as err:
+                    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    other.bind(("127.0.0.1", port))
+                assert err.value.errno == errno.EADDRINUSE
+                server.accept()[0].close()
 
 
-def test_ephemeral_range_falls_back_when_unreadable(monkeypatch, tmp_path):
-    monkeypatch.setattr(embedded, "PORT_RANGE_FILE", tmp_path / "missing")
-    assert ephemeral_range() == embedded.EPHEMERAL_FALLBACK
-    (tmp_path / "garbled").write_text("not numbers\n")
-    monkeypatch.setattr(embedded, "PORT_RANGE_FILE", tmp_path / "garbled")
-    assert ephemeral_range() == embedded.EPHEMERAL_FALLBACK
-    (tmp_path / "range").write_text("40000\t50000\n")
-    monkeypatch.setattr(embedded, "PORT_RANGE_FILE", tmp_path / "range")
-    assert ephemeral_range() == (40000, 50000)
-    assert all(embedded.PICK_FLOOR <= free_port() < 40000 for _ in range(20))
+def test_the_kernel_hands_a_held_port_to_no_other_socket():
+    """Neither a bind to port 0 nor an outgoing connection's local port is ever a held port
+    (200 holds, 400 of each: without the hold, about 3 of each would land on one)."""
+    holds = [PortHold() for _ in range(200)]
+    held = {h.port for h in holds}
+    got: set[int] = set()
+    try:
+        with socket.create_server(("127.0.0.1", 0), backlog=512) as server:
+            target = server.getsockname()
+            for _ in range(400):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    got.add(s.getsockname()[1])
+                with socket.socket() as c:
+                    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST: no TIME_WAIT
+                    c.connect(target)
+                    got.add(c.getsockname()[1])
+                    server.accept()[0].close()
+    finally:
+        for h in holds:
+            h.close()
+    assert not got & held
 
 
-@pytest.mark.parametrize("low,high,expect", [(15000, 60999, range(1024, 15000)), (1024, 60000, range(60001, 65536))])
-def test_a_low_ephemeral_range_moves_the_pick_outside_it(monkeypatch, low, high, expect):
-    monkeypatch.setattr(embedded, "ephemeral_range", lambda: (low, high))
-    assert all(free_port() in expect for _ in range(20))
-
-
-def test_no_port_outside_the_ephemeral_range_raises(monkeypatch):
-    monkeypatch.setattr(embedded, "ephemeral_range", lambda: (1024, 65535))
-    with pytest.raises(OSError, match="ephemeral range"):
-        free_port()
+def test_holding_a_port_a_server_listens_on_fails():
+    with socket.create_server(("127.0.0.1", 0)) as server, pytest.raises(OSError) as err:
+        PortHold("127.0.0.1", server.getsockname()[1])
+    assert err.value.errno == errno.EADDRINUSE
 
 
 def test_concurrent_updates_of_ports_json_lose_nothing(tmp_path):
