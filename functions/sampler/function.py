@@ -45,6 +45,8 @@ class SamplerFunction:
         self.load_failures = LoadFailures()  # base models that failed to load (openrl/model/loadfailures.py)
         self.handoff: SnapshotHandoff | None = None
         self._pinning: dict[str, int] = {}  # snapshot key -> requests pinning / loading it now
+        self._pin_lock = asyncio.Lock()  # SnapshotHandoff.pin vs unpin_except
+        self._unpin: asyncio.Task | None = None
 
     async def start(self, cfg: Settings | dict | None = None) -> None:
         """Open storage and the registry; load the ``preload`` base models.
@@ -183,9 +185,8 @@ class SamplerFunction:
                 self._pinning[adapter] -= 1
                 if not self._pinning[adapter]:
                     del self._pinning[adapter]
-                if self.handoff is not None:  # pins of adapters no engine holds (or is loading) any more
-                    keep = {k for e in self.engines.values() for k in e.loaded_adapters()} | set(self._pinning)
-                    await asyncio.to_thread(self.handoff.unpin_except, keep)
+                if self.handoff is not None and (self._unpin is None or self._unpin.done()):
+                    self._unpin = asyncio.get_running_loop().create_task(self._unpin_unused())  # off the answer's path
 
     async def _sample(self, event, d: payloads.Sample, engine, adapter: str | None, adapter_dir: Path | None,
                       busy) -> object:
@@ -224,6 +225,13 @@ class SamplerFunction:
             await self._stability().put_many(stability_records(event, d, res))
         return events.result_event(event, encode_result(res, tpl), source=SOURCE)
 
+    async def _unpin_unused(self) -> None:
+        """Drop the handoff pins of adapters no engine holds or is loading (under the lock that
+        :meth:`_adapter_dir` pins with, so what to keep is read when nothing pins)."""
+        async with self._pin_lock:
+            keep = {k for e in self.engines.values() for k in e.loaded_adapters()} | set(self._pinning)
+            await asyncio.to_thread(self.handoff.unpin_except, keep)
+
     async def _adapter_dir(self, ckpt: TinkerPath) -> Path:
         """The directory to load snapshot ``ckpt`` from: the handoff's (:mod:`openrl.storage.
         handoff`, the co-located trainer's copy in shared memory, pinned for this process:
@@ -232,7 +240,10 @@ class SamplerFunction:
         Raises:
             NotFound: no checkpoint at ``ckpt``.
         """
-        held = await asyncio.to_thread(self.handoff.pin, ckpt) if self.handoff is not None else None
+        held = None
+        if self.handoff is not None:
+            async with self._pin_lock:  # an unpin in flight cannot remove the pin this returns
+                held = await asyncio.to_thread(self.handoff.pin, ckpt)
         if held is not None:
             metrics.SNAPSHOT_SOURCE.labels("handoff").inc()
             return held

@@ -217,3 +217,35 @@ def test_settings_turn_it_on_only_for_a_colocated_sampler(tmp_path):
                                                   handoff_dir="off")) is None
     start = time.time()
     assert on.pending() == [] and time.time() - start < 60
+
+
+def test_sampler_pin_survives_an_unpin_already_under_way(tmp_path, monkeypatch):
+    """SamplerFunction: an unpin that read what to keep before a new request for the same snapshot
+    arrived must not remove the pin that request then loads (found in CI: 'holds no PEFT adapter'
+    under the sweep example). A slow unpin makes the old interleaving certain."""
+    from functions.sampler.function import SamplerFunction
+
+    handoff, storage = _writer(tmp_path)
+    p = _path()
+    handoff.put(p, 1000, _fill(), _meta(p))
+    handoff.pin(p)  # loaded earlier, since evicted from the engine
+    slow_unpin = handoff.unpin_except
+
+    def unpin_except(keep):
+        time.sleep(0.3)
+        slow_unpin(keep)
+
+    monkeypatch.setattr(handoff, "unpin_except", unpin_except)
+    fn = SamplerFunction()
+    fn.handoff, fn.storage = handoff, storage
+
+    async def go():
+        unpin = asyncio.create_task(fn._unpin_unused())  # keep = {} : nothing loaded, nothing pinning
+        await asyncio.sleep(0.05)
+        fn._pinning[str(p)] = 1  # a request for the snapshot arrives (as handle() does)
+        d = await fn._adapter_dir(p)
+        await unpin
+        return d
+
+    d = asyncio.run(go())
+    assert load_file(d / "adapter_model.safetensors")
