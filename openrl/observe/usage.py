@@ -156,10 +156,18 @@ class UsageLedger:
                     bus = None
             if stopping:
                 break
-            await asyncio.get_running_loop().run_in_executor(None, self._stop.wait, interval)
+            # wait for the interval or stop() by polling, not in an executor thread: Python's exit joins
+            # executor threads before atexit runs stop(), so an executor wait held every worker's exit
+            # for up to the whole interval and then failed ("cannot schedule new futures after shutdown")
+            deadline = time.monotonic() + interval
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(min(STOP_POLL_S, max(0.0, deadline - time.monotonic())))
         if bus is not None:
             await bus.close()
 
+
+#: seconds between two looks at the stop flag while the flusher waits
+STOP_POLL_S = 0.1
 
 #: this process's ledger (the workers' accounting calls go here)
 LEDGER = UsageLedger()
