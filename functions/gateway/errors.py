@@ -5,7 +5,8 @@
 * :class:`openrl.edge.auth.AuthError`: 401 naming the key header.
 * A JSON body that does not fit its route's :mod:`openrl.edge.wire` model (FastAPI's
   ``RequestValidationError``): 400 naming the first bad field, as
-  :func:`openrl.edge.wire.parse_request` names it (an empty body counts as ``{}``).
+  :func:`openrl.edge.wire.parse_request` names it (an empty body counts as ``{}``); a body
+  whose ``Content-Type`` is not JSON (``application/x-protobuf``, a form): 400 naming ``content-type``.
 * A path, query or header parameter of the wrong type: 400 naming it.
 * FastAPI's own 400 (a body it cannot parse, e.g. bytes that are not UTF-8), 404 (no route)
   and 405 (no such method): the same shape, naming ``body`` / ``path`` / ``method``.
@@ -91,6 +92,10 @@ def install(app: FastAPI) -> None:
     async def _invalid_request(request: Request, exc: RequestValidationError):
         model = body_model(request)
         if model is not None and any(tuple(e.get("loc", ()))[:1] == ("body",) for e in exc.errors()):
+            if isinstance(exc.body, (bytes, bytearray)):  # FastAPI parses only a JSON content type
+                ctype = request.headers.get("content-type", "")
+                return error_response(UserError("content-type", f"{ctype!r}: this route takes a JSON body "
+                                                                "(Content-Type: application/json)"))
             return error_response(body_error(model, exc.body))
         errs = exc.errors()
         if errs:  # a path, query or header parameter: 400 naming it (not FastAPI's 422 list)

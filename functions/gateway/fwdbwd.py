@@ -1,8 +1,11 @@
-"""The protobuf body of ``/forward_backward`` and ``/forward``: read, decompress, decode, check.
+"""The body of ``/forward_backward`` and ``/forward``: read, decompress, decode, check.
 
-The SDK sends a ``ForwardBackwardRequest`` (``Content-Type: application/x-protobuf``, zstd when
-``Content-Encoding`` says so). :data:`ForwardBackwardDep` gives the route the decoded request
-plus the decompressed bytes, which are published unchanged as the event's data (see
+The SDK sends a protobuf ``ForwardBackwardRequest`` (``Content-Type: application/x-protobuf``,
+zstd when ``Content-Encoding`` says so). Any other client may send the SDK's JSON types instead
+(``Content-Type: application/json``: ``{model_id, seq_id, forward_backward_input: {data: [Datum],
+loss_fn, loss_fn_config}}``, ``forward_input`` on ``/forward``; :class:`openrl.edge.wire.ForwardBackwardJsonRequest`),
+which the gateway encodes as the SDK would. :data:`ForwardBackwardDep` gives the route the
+decoded request plus the protobuf bytes, which are published as the event's data (see
 :mod:`openrl.contract.payloads`); :func:`validate_datums` holds the edge checks that need the
 run's base model. Every error here is a :class:`openrl.errors.UserError`, so the route's
 seq_id is skipped (:mod:`functions.gateway.skips`).
@@ -34,6 +37,9 @@ class ForwardBackwardBody:
 
     request: proto.FwdBwdRequest
     data: bytes
+    #: what the fields named in errors are under: ``""`` for protobuf, ``forward_backward_input.``
+    #: (or ``forward_input.``) for a JSON body
+    prefix: str = ""
 
 
 def decompress_capped(body: bytes, encoding: str | None, limit: int) -> bytes:
@@ -63,10 +69,61 @@ async def forward_backward_body(request: Request, g: GatewayDep) -> ForwardBackw
     oversize = getattr(request.state, "oversize", None)
     if oversize is not None:  # only the head was read: enough to skip the seq_id
         raise BodyTooLarge("body", f"request body of {oversize} bytes exceeds the limit of {g.body_limit()} bytes")
-    if "protobuf" not in (request.headers.get("content-type") or ""):
-        raise UserError("content-type", "forward_backward expects application/x-protobuf")
-    data = decompress_capped(body, request.headers.get("content-encoding"), g.body_limit())
-    return ForwardBackwardBody(proto.decode_forward_backward_request(data), data)
+    ctype = (request.headers.get("content-type") or "").lower()
+    if "protobuf" in ctype:
+        data = decompress_capped(body, request.headers.get("content-encoding"), g.body_limit())
+        return ForwardBackwardBody(proto.decode_forward_backward_request(data), data)
+    if ctype and "json" not in ctype:
+        raise UserError("content-type", f"{ctype!r}: send application/x-protobuf (the SDK's ForwardBackwardRequest) "
+                                        "or application/json (its JSON form)")
+    forward = request.url.path.rstrip("/").endswith("/forward")
+    key = "forward_input" if forward else "forward_backward_input"
+    body = decompress_capped(body, request.headers.get("content-encoding"), g.body_limit())
+    fb, data = json_forward_backward(body, forward)
+    if len(data) > g.body_limit():
+        raise BodyTooLarge("body", f"the request as protobuf ({len(data)} bytes) exceeds the limit of "
+                                   f"{g.body_limit()} bytes")
+    return ForwardBackwardBody(fb, data, f"{key}.")
+
+
+def json_forward_backward(body: bytes, forward: bool) -> tuple[proto.FwdBwdRequest, bytes]:
+    """A JSON ``/forward_backward`` (``forward=False``) or ``/forward`` body, decoded and encoded
+    as the SDK's protobuf ``ForwardBackwardRequest`` (the trainer's one input format).
+
+    Returns:
+        The decoded request and its protobuf bytes.
+
+    Raises:
+        UserError: naming the JSON field (``forward_backward_input.data[0].loss_fn_inputs.weights``, ...).
+    """
+    from openrl.edge import wire
+
+    model = wire.ForwardJsonRequest if forward else wire.ForwardBackwardJsonRequest
+    key = "forward_input" if forward else "forward_backward_input"
+    req = wire.parse_request(model, body)
+    require(req.seq_id is not None and req.seq_id >= 1, "seq_id", "required, >= 1")
+    inp = getattr(req, key)
+    datums = []
+    for i, d in enumerate(inp.data):
+        fld = f"{key}.data[{i}]"
+        tokens = d.model_input.to_tokens(f"{fld}.model_input")
+        inputs = {k: td.to_numpy(0, f"{fld}.loss_fn_inputs.{k}") for k, td in d.loss_fn_inputs.items()}
+        datums.append(proto.FwdBwdDatum(tokens, inputs))
+    require(req.seq_id <= 2**31 - 1, "seq_id", "must fit an int32 (the protobuf wire's)")
+    data = proto.encode_forward_backward_request(req.model_id, req.seq_id, datums, inp.loss_fn,
+                                                 inp.loss_fn_config, forward_only=forward)
+    try:
+        return proto.decode_forward_backward_request(data), data
+    except UserError as exc:
+        raise renamed(exc, f"{key}.{exc.field}" if exc.field.startswith("data") else exc.field) from None
+
+
+def renamed(exc: UserError, field: str) -> UserError:
+    """``exc`` naming ``field`` instead (same class, status and message)."""
+    rest = exc.message[len(exc.field) + 2:] if exc.message.startswith(exc.field + ": ") else exc.message
+    exc.field, exc.message = field, f"{field}: {rest}"
+    exc.args = (exc.message,)
+    return exc
 
 
 ForwardBackwardDep = Annotated[ForwardBackwardBody, Depends(forward_backward_body)]

@@ -17,13 +17,13 @@ from fastapi import APIRouter
 
 from functions.gateway.context import Gateway, require
 from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep
-from functions.gateway.fwdbwd import ForwardBackwardDep, validate_datums
+from functions.gateway.fwdbwd import ForwardBackwardDep, renamed, validate_datums
 from functions.gateway.runs import checkpoint_path, check_optimizer, new_run, readable_manifest, refuse_frozen
 from functions.gateway.skips import MAX_SEQ_ID, SkipRejected, request_id_for
 from openrl.contract import payloads
 from openrl.contract.records import SamplerSession, TrainingRun
 from openrl.edge import wire
-from openrl.errors import NotSupported
+from openrl.errors import NotSupported, UserError
 from openrl.storage import TinkerPath
 from openrl.transport.bus import TRAIN_STREAM, now_iso
 
@@ -91,14 +91,18 @@ async def get_info(req: wire.GetInfoRequest, g: GatewayDep, caller: CallerDep) -
 @router.post("/forward_backward", response_model=FUTURE)
 @router.post("/forward", response_model=FUTURE)
 async def forward_backward(body: ForwardBackwardDep, g: GatewayDep, caller: CallerDep) -> dict:
-    """Protobuf ForwardBackwardRequest (zstd when Content-Encoding says so); the decompressed
-    body is the event's data."""
+    """Protobuf ForwardBackwardRequest (zstd when Content-Encoding says so; the decompressed
+    body is the event's data), or its JSON form (encoded as protobuf here; see
+    :mod:`functions.gateway.fwdbwd`)."""
     fb = body.request
     run = await g.model(fb.model_id, caller.owner)
     require(fb.seq_id >= 1, "seq_id", "must be >= 1")
     refuse_frozen(run)
     base = g.registry.resolve(run.base_model)
-    validate_datums(fb, g.vocab_size(run.base_model), base.max_context_length)
+    try:
+        validate_datums(fb, g.vocab_size(run.base_model), base.max_context_length)
+    except UserError as exc:
+        raise renamed(exc, body.prefix + exc.field) from None
     return await enqueue(g, run, "forward" if fb.forward_only else "forward_backward", fb.seq_id, body.data,
                          tokens=sum(len(d.tokens) for d in fb.data))
 

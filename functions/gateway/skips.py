@@ -19,6 +19,7 @@ skipped: the SDK resends that seq_id. The dead-letter sink skips a dead request'
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Callable
 
 from fastapi import Request, Response
@@ -61,7 +62,8 @@ async def skip_owned(g: Gateway, owner: str, model_id: Any, seq_id: Any) -> bool
 async def sent_run_and_seq(request: Request) -> tuple[Any, Any]:
     """``(model_id, seq_id)`` as the client sent them, read back from the (cached) body: a
     protobuf ``ForwardBackwardRequest`` (only its head is needed; zstd as the request says) or
-    a JSON object. ``(None, None)`` when the body names neither."""
+    a JSON object (for the head of an oversize JSON body, its ``"model_id"`` / ``"seq_id"`` keys).
+    ``(None, None)`` when the body names neither."""
     body = await request.body()
     if "protobuf" in (request.headers.get("content-type") or ""):
         return proto.peek_run_and_seq(body[:proto.HEAD_BYTES], request.headers.get("content-encoding"))
@@ -69,7 +71,11 @@ async def sent_run_and_seq(request: Request) -> tuple[Any, Any]:
         raw = json.loads(body)
         return raw.get("model_id"), int(raw["seq_id"])
     except Exception:  # noqa: BLE001 - not JSON, not an object, no usable seq_id
-        return None, None
+        pass
+    # the head of an oversize JSON body (functions.gateway.app.HEAD_PATHS): its top-level keys
+    head = body[:proto.HEAD_BYTES].decode("utf-8", "replace")
+    m, s = re.search(r'"model_id"\s*:\s*"([^"\\]+)"', head), re.search(r'"seq_id"\s*:\s*(\d+)', head)
+    return (m.group(1), int(s.group(1))) if m and s else (None, None)
 
 
 class SkipRejected(WireRoute):

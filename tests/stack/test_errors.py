@@ -246,9 +246,14 @@ def _(c):
     return c.http.post("/forward_backward", content=b"\xff\xff\xff\xff not protobuf", headers=PB)
 
 
-@case("json-to-protobuf-route", "http", 400, "content-type")
+@case("text-to-forward-backward", "http", 400, "content-type")
 def _(c):
-    return c.http.post("/forward_backward", json={"model_id": c.run, "seq_id": 1})
+    return c.http.post("/forward_backward", content=b"model_id=x", headers={"Content-Type": "text/plain"})
+
+
+@case("json-forward-backward-without-input", "http", 400, "forward_backward_input")
+def _(c):
+    return c.http.post("/forward_backward", json={"model_id": c.run, "seq_id": c.next_seq()})
 
 
 # ids
@@ -577,8 +582,8 @@ def test_seq_gap_timeout_fails_the_waiting_request(ctx):
     assert out["category"] == "user" and "seq_id" in out["error"] and "never arrived" in out["error"], out
     assert GAP_TIMEOUT_S - 0.5 <= waited < GAP_TIMEOUT_S + 30, waited
     first = h.post("/forward_backward", content=fb_body(run, 1), headers=PB)
-    res = wait_future(h, first.json()["request_id"])
-    assert res.headers["content-type"] == "application/x-protobuf", res.text
+    res = wait_future(h, first.json()["request_id"])  # answered as JSON: no Accept for protobuf
+    assert res.headers["content-type"] == "application/json" and "loss:sum" in res.json()["metrics"], res.text
 
 
 def test_raw_run_still_trains_after_every_rejection(ctx):
@@ -588,7 +593,7 @@ def test_raw_run_still_trains_after_every_rejection(ctx):
     r = ctx.http.post("/forward_backward", content=fb_body(ctx.run, ctx.next_seq()), headers=PB)
     assert r.status_code == 200, r.text
     res = wait_future(ctx.http, r.json()["request_id"])
-    assert res.headers["content-type"] == "application/x-protobuf", res.text
+    assert res.headers["content-type"] == "application/json" and "loss:sum" in res.json()["metrics"], res.text
     assert ctx.seq > 5  # the cases above did consume seq_ids of this run
 
 

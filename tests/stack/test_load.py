@@ -38,7 +38,8 @@ def test_2000_concurrent_sample_futures_all_answer(stack, api_key):
 def _answer(http: httpx.Client, request_id: str, timeout_s: float = 120) -> httpx.Response:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        r = http.post("/retrieve_future", json={"request_id": request_id}, timeout=60)
+        r = http.post("/retrieve_future", json={"request_id": request_id}, timeout=60,
+                      headers={"Accept": "application/x-protobuf"})  # as the SDK asks for a SampleResponse
         if r.headers.get("content-type", "").startswith("application/x-protobuf") or r.status_code != 200 \
                 or r.json().get("type") != "try_again":
             return r

@@ -423,6 +423,53 @@ def test_sample_response_minimal_and_csr_target():
         P.encode_sample_response([P.SampledSeq([1], stop_reason="eos")])  # type: ignore[arg-type]
 
 
+def test_results_as_json_match_what_the_sdk_decodes():
+    """retrieve_future's JSON form of a protobuf result (openrl.edge.proto.tojson) holds what the
+    SDK's own decoder reads from the same bytes, with the SDK's field names."""
+    from openrl.edge.proto.tojson import forward_backward_output_json, result_json, sample_response_json
+
+    rng = np.random.default_rng(2)
+    outs = [{"logprobs": rng.normal(size=n).astype(np.float32), "topk_ids": rng.integers(0, 99, size=(n, 3))}
+            for n in (4, 1, 0)]
+    outs.append({"logprobs": rng.normal(size=(2, 5)).astype(np.float32), "topk_ids": np.zeros((2, 3), np.int64)})
+    body = P.encode_forward_backward_output(outs, {"loss:sum": 1.5})
+    sdk = response_conv.deserialize_forward_backward_output(body)
+    js = forward_backward_output_json(body)
+    assert js == result_json("forward_backward", body, "r") and js["metrics"] == {"loss:sum": 1.5}
+    assert js["loss_fn_output_type"] == sdk.loss_fn_output_type and len(js["loss_fn_outputs"]) == 4
+    for mine, theirs in zip(js["loss_fn_outputs"], sdk.loss_fn_outputs):
+        for key in ("logprobs", "topk_ids"):
+            assert mine[key]["dtype"] == theirs[key].dtype and mine[key]["shape"] == list(theirs[key].shape)
+            np.testing.assert_array_equal(np.asarray(mine[key]["data"]).reshape(mine[key]["shape"]),
+                                          theirs[key].to_numpy())
+
+    seqs = [P.SampledSeq([5, 6], [-0.1, -0.2], "stop", topk=(np.array([[5, 1], [6, 0]]),
+                                                               np.array([[-0.1, -3], [-0.2, -99999.0]]))),
+            P.SampledSeq([9], None, "length")]
+    target = np.array([[-1.0, 0.0], [-2.0, -3.0]], np.float32)
+    alt = (np.array([[1], [3]]), np.array([[-1], [-3]], np.float32))
+    body = P.encode_sample_response(seqs, [math.nan, -1.5, -2.5], (np.array([[0], [3], [5]]),
+                                                                  np.array([[-99999.0], [-1], [-3]], np.float32)),
+                                    prompt_cache_hit_tokens=2, target_prompt_logprobs=target, prompt_alt_tokens=alt)
+    sdk = response_conv.deserialize_sample_response(body)
+    js = sample_response_json(body, "sess:sample:0:7")
+    assert js == result_json("sample", body, "sess:sample:0:7")
+    assert js["type"] == "sample" and js["prompt_cache_hit_tokens"] == 2
+    assert [s["sequence_id"] for s in js["sequences"]] == ["sess:sample:0:7:0", "sess:sample:0:7:1"]
+    for mine, theirs in zip(js["sequences"], sdk.sequences):
+        assert mine["stop_reason"] == theirs.stop_reason and mine["tokens"] == theirs.tokens
+        assert mine.get("logprobs") == (None if theirs.logprobs is None else pytest.approx(theirs.logprobs))
+        want = theirs.topk_logprobs
+        assert mine.get("topk_logprobs") == (None if want is None else [
+            None if row is None else [[i, pytest.approx(lp)] for i, lp in row] for row in want])
+    assert js["prompt_logprobs"] == [None, -1.5, -2.5] == sdk.prompt_logprobs
+    assert js["topk_prompt_logprobs"] == [None, [[3, -1.0]], [[5, -3.0]]]
+    assert js["target_prompt_logprobs"] == {"data": [-1.0, 0.0, -2.0, -3.0], "dtype": "float32", "shape": [2, 2]}
+    assert js["prompt_alt_tokens"]["tokens"] == {"data": [1, 3], "dtype": "int64", "shape": [2, 1]}
+    json_text = __import__("json").dumps(js, allow_nan=False)  # strict JSON: no NaN
+    assert "NaN" not in json_text
+
+
 def test_csr_to_dense_pad():
     out = P.csr_to_dense(np.array([4, 5]), [0, 1, 1, 2], [2, 0], [3, 3], pad_value=-1)
     assert out.tolist() == [[-1, -1, 4], [-1, -1, -1], [5, -1, -1]]

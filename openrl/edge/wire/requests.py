@@ -16,7 +16,8 @@ __all__ = [
     "ClientConfigRequest", "CreateSessionRequest", "SessionHeartbeatRequest", "FinishReason",
     "SessionFinishRequest", "TelemetryRequest", "RetrieveFutureRequest", "RetrieveFuturesRequest",
     "CancelFutureRequest", "JoinSamplingSessionRequest", "CreateModelRequest", "GetInfoRequest",
-    "AdamParams", "DimuonParams", "OptimStepRequest", "SaveWeightsRequest",
+    "AdamParams", "DimuonParams", "OptimStepRequest", "DatumJson", "ForwardBackwardInputJson",
+    "ForwardBackwardJsonRequest", "ForwardJsonRequest", "SaveWeightsRequest",
     "SaveWeightsForSamplerRequest", "SaveWeightsExternalRequest", "LoadWeightsRequest",
     "UnloadModelRequest", "CreateSamplingSessionRequest", "SamplingParams", "SampleRequest",
     "WeightsInfoRequest", "TtlRequest", "CopyWeightsRequest", "SetSessionProjectRequest",
@@ -130,6 +131,51 @@ class GetInfoRequest(WireModel):
     """``/get_info`` (synchronous)."""
 
     model_id: str
+
+
+class DatumJson(WireModel):
+    """A ``Datum`` as JSON (the SDK's ``types.Datum``): ``{model_input: ModelInput,
+    loss_fn_inputs: {name: TensorData}}``. Provenance spans travel only in the protobuf body
+    (the SDK's JSON types give them no wire form)."""
+
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, TensorData] = {}
+    model_input_spans: list[Any] | None = None
+    loss_fn_input_spans: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _no_spans(self) -> "DatumJson":
+        for name in ("model_input_spans", "loss_fn_input_spans"):
+            if getattr(self, name) is not None:
+                raise FieldError(name, "provenance spans are accepted in the protobuf body only "
+                                       "(Content-Type: application/x-protobuf, as the SDK sends them)")
+        return self
+
+
+class ForwardBackwardInputJson(WireModel):
+    """``forward_backward_input`` / ``forward_input``: ``{data: [Datum], loss_fn, loss_fn_config?}``."""
+
+    data: list[DatumJson]
+    loss_fn: str = Field(min_length=1)
+    loss_fn_config: dict[str, float | str] | None = None
+
+
+class ForwardBackwardJsonRequest(WireModel):
+    """``/forward_backward`` with a JSON body (``Content-Type: application/json``), the SDK's
+    JSON ``ForwardBackwardRequest``: ``{model_id, seq_id?, forward_backward_input}``. The SDK
+    itself sends protobuf; both forms reach the trainer as the same protobuf bytes."""
+
+    model_id: str = Field(min_length=1)
+    seq_id: int | None = None
+    forward_backward_input: ForwardBackwardInputJson
+
+
+class ForwardJsonRequest(WireModel):
+    """``/forward`` with a JSON body: ``{model_id, seq_id?, forward_input}`` (the SDK's ``ForwardRequest``)."""
+
+    model_id: str = Field(min_length=1)
+    seq_id: int | None = None
+    forward_input: ForwardBackwardInputJson
 
 
 class AdamParams(WireModel):

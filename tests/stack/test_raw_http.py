@@ -1,0 +1,152 @@
+"""Every route family through raw HTTP, as a client other than the Python SDK speaks it (issue
+36): plain ``httpx``, JSON bodies and JSON answers, no ``tinker`` import. Content negotiation:
+``retrieve_future`` answers the protobuf results (forward / forward_backward, sample) as JSON
+unless ``Accept`` asks for ``application/x-protobuf``, which is what the SDK sends.
+
+Runs against the session's embedded ``stack`` (real gateway, NATS JetStream, trainer and sampler).
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from conftest import BASE_MODEL
+
+SEQ = [9707, 1879, 11, 419, 374, 264, 1273, 315, 279, 11691, 9128, 13]
+JSON = {"Accept": "application/json", "Content-Type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def http(stack, api_key):
+    with httpx.Client(base_url=stack.base_url + "/api/v1", headers={"X-API-Key": api_key, **JSON}, timeout=60) as c:
+        yield c
+
+
+def result(http: httpx.Client, request_id: str, accept: str = "application/json", timeout_s: float = 120) -> httpx.Response:
+    """Poll ``retrieve_future`` (long polls) until it answers something other than ``try_again``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = http.post("/retrieve_future", json={"request_id": request_id}, headers={"Accept": accept})
+        assert r.status_code == 200, r.text
+        if "json" not in r.headers["content-type"] or r.json().get("type") != "try_again":
+            return r
+    raise TimeoutError(request_id)
+
+
+def ok(r: httpx.Response) -> dict:
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json"), (r.status_code, r.text)
+    return r.json()
+
+
+def datum(tokens=SEQ) -> dict:
+    """A JSON Datum (the SDK's ``types.Datum`` field names): next-token targets, unit weights."""
+    n = len(tokens) - 1
+    return {"model_input": {"chunks": [{"type": "encoded_text", "tokens": list(tokens[:-1])}]},
+            "loss_fn_inputs": {"target_tokens": {"data": list(tokens[1:]), "dtype": "int64", "shape": [n]},
+                               "weights": {"data": [1.0] * n, "dtype": "float32", "shape": [n]}}}
+
+
+@pytest.fixture(scope="module")
+def run(http):
+    """A session and a training run made with raw JSON: (session_id, model_id)."""
+    session = ok(http.post("/create_session", json={"tags": ["raw"], "sdk_version": "curl"}))["session_id"]
+    fut = ok(http.post("/create_model", json={"session_id": session, "model_seq_id": 0, "base_model": BASE_MODEL,
+                                              "lora_config": {"rank": 4}}))
+    assert ok(result(http, fut["request_id"]))["model_id"] == fut["model_id"]
+    return session, fut["model_id"]
+
+
+def test_session_routes(http, run):
+    session, model_id = run
+    assert ok(http.post("/client/config", json={"sdk_version": "curl"}))["pjwt_auth_enabled"] is False
+    assert ok(http.post("/session_heartbeat", json={"session_id": session}))["type"] == "session_heartbeat"
+    assert model_id in ok(http.get(f"/sessions/{session}"))["training_run_ids"]
+    info = ok(http.post("/get_info", json={"model_id": model_id}))
+    assert info["model_data"]["model_name"] == BASE_MODEL and info["lora_rank"] == 4
+
+
+def test_training_routes_json_bodies_and_results(http, run):
+    _, model_id = run
+    # forward_backward with a JSON body (the SDK's JSON ForwardBackwardRequest), answered as JSON
+    fb = ok(http.post("/forward_backward", json={"model_id": model_id, "seq_id": 1, "forward_backward_input": {
+        "data": [datum()], "loss_fn": "cross_entropy"}}))
+    out = ok(result(http, fb["request_id"]))
+    assert out["metrics"]["loss:sum"] > 0 and out["loss_fn_output_type"]
+    lp = out["loss_fn_outputs"][0]["logprobs"]
+    assert lp["dtype"] == "float32" and lp["shape"] == [len(SEQ) - 1] and len(lp["data"]) == len(SEQ) - 1
+    # the same result as protobuf when Accept asks for it (what the SDK sends)
+    pb = result(http, fb["request_id"], accept="application/x-protobuf")
+    assert pb.headers["content-type"] == "application/x-protobuf" and pb.content[:1] != b"{"
+    step = ok(http.post("/optim_step", json={"model_id": model_id, "seq_id": 2,
+                                             "adam_params": {"learning_rate": 1e-2}}))
+    assert isinstance(ok(result(http, step["request_id"])), dict)
+    # /forward with forward_input: the loss went down after the step
+    fw = ok(http.post("/forward", json={"model_id": model_id, "seq_id": 3, "forward_input": {
+        "data": [datum()], "loss_fn": "cross_entropy"}}))
+    assert ok(result(http, fw["request_id"]))["metrics"]["loss:sum"] < out["metrics"]["loss:sum"]
+    save = ok(http.post("/save_weights", json={"model_id": model_id, "seq_id": 4, "path": "raw-state"}))
+    assert ok(result(http, save["request_id"]))["path"] == f"tinker://{model_id}/weights/raw-state"
+    snap = ok(http.post("/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 5, "path": "raw-snap"}))
+    assert ok(result(http, snap["request_id"]))["path"] == f"tinker://{model_id}/sampler_weights/raw-snap"
+    # a JSON body that names a bad field: 400 naming it under forward_backward_input
+    bad = http.post("/forward_backward", json={"model_id": model_id, "seq_id": 6, "forward_backward_input": {
+        "data": [datum(SEQ[:3]) | {"loss_fn_inputs": {"target_tokens": {"data": [1.5, 2], "dtype": "float32"}}}],
+        "loss_fn": "cross_entropy"}})
+    assert bad.status_code == 400 and bad.json()["field"].startswith("forward_backward_input.data[0]"), bad.text
+    # the refused seq_id 6 was skipped: 7 runs
+    fb = ok(http.post("/forward_backward", json={"model_id": model_id, "seq_id": 7, "forward_backward_input": {
+        "data": [datum()], "loss_fn": "cross_entropy"}}))
+    assert ok(result(http, fb["request_id"]))["metrics"]["loss:sum"] > 0
+
+
+def test_sampling_routes_json_results(http, run):
+    session, model_id = run
+    path = f"tinker://{model_id}/sampler_weights/raw-snap"
+    deadline = time.monotonic() + 120
+    while http.post("/weights_info", json={"tinker_path": path}).status_code != 200:  # saved by the test above
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    sid = ok(http.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
+                                                         "model_path": path}))["sampling_session_id"]
+    assert ok(http.get(f"/samplers/{sid}"))["base_model"] == BASE_MODEL
+    fut = ok(http.post("/asample", json={"sampling_session_id": sid, "seq_id": 0, "num_samples": 2,
+                                         "prompt": {"chunks": [{"type": "encoded_text", "tokens": SEQ[:4]}]},
+                                         "sampling_params": {"max_tokens": 3, "temperature": 1.0, "seed": 3},
+                                         "prompt_logprobs": True, "topk_sample_logprobs": 2}))
+    assert fut["sample_sequence_ids"] == [f"{fut['request_id']}:0", f"{fut['request_id']}:1"]
+    out = ok(result(http, fut["request_id"]))
+    assert out["type"] == "sample" and len(out["sequences"]) == 2
+    assert [s["sequence_id"] for s in out["sequences"]] == fut["sample_sequence_ids"]
+    for s in out["sequences"]:
+        assert len(s["tokens"]) == len(s["logprobs"]) <= 3 and s["stop_reason"] in ("stop", "length")
+        assert all(len(row) <= 2 for row in s["topk_logprobs"] if row is not None)
+    assert out["prompt_logprobs"][0] is None and len(out["prompt_logprobs"]) == 4
+    pb = result(http, fut["request_id"], accept="application/x-protobuf")
+    assert pb.headers["content-type"] == "application/x-protobuf"
+
+
+def test_rest_routes(http, run):
+    _, model_id = run
+    assert ok(http.get("/training_runs", params={"limit": 100}))["cursor"]["total_count"] >= 1
+    assert ok(http.get(f"/training_runs/{model_id}"))["training_run_id"] == model_id
+    ckpts = ok(http.get(f"/training_runs/{model_id}/checkpoints"))["checkpoints"]
+    assert {"weights/raw-state", "sampler_weights/raw-snap"} <= {c["checkpoint_id"] for c in ckpts}
+    info = ok(http.post("/weights_info", json={"tinker_path": f"tinker://{model_id}/weights/raw-state"}))
+    assert info["base_model"] == BASE_MODEL and info["lora_rank"] == 4
+    assert http.put(f"/training_runs/{model_id}/checkpoints/weights/raw-state/ttl",
+                    json={"ttl_seconds": 7200}).status_code == 200
+    assert ok(http.get("/get_server_capabilities"))["supported_models"]
+
+
+def test_errors_and_try_again_are_json(http, run):
+    _, model_id = run
+    r = http.post("/retrieve_future", json={"request_id": "nope:train:0:1"})
+    assert r.status_code == 404 and r.json()["field"] == "request_id"
+    # a JSON route given another content type: 400 naming content-type
+    r = http.post("/get_info", content=b'{"model_id": "x"}', headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400 and r.json()["field"] == "content-type", r.text
+    r = http.post("/forward_backward", content=b"x", headers={"Content-Type": "text/plain"})
+    assert r.status_code == 400 and r.json()["field"] == "content-type", r.text
