@@ -72,7 +72,7 @@ async def forward_backward_body(request: Request, g: GatewayDep) -> ForwardBackw
     ctype = (request.headers.get("content-type") or "").lower()
     if "protobuf" in ctype:
         data = decompress_capped(body, request.headers.get("content-encoding"), g.body_limit())
-        return ForwardBackwardBody(proto.decode_forward_backward_request(data), data)
+        return ForwardBackwardBody(proto.decode_forward_backward_request(data, require_seq_id=False), data)
     if ctype and "json" not in ctype:
         raise UserError("content-type", f"{ctype!r}: send application/x-protobuf (the SDK's ForwardBackwardRequest) "
                                         "or application/json (its JSON form)")
@@ -101,7 +101,8 @@ def json_forward_backward(body: bytes, forward: bool) -> tuple[proto.FwdBwdReque
     model = wire.ForwardJsonRequest if forward else wire.ForwardBackwardJsonRequest
     key = "forward_input" if forward else "forward_backward_input"
     req = wire.parse_request(model, body)
-    require(req.seq_id is not None and req.seq_id >= 1, "seq_id", "required, >= 1")
+    require(req.seq_id is None or 1 <= req.seq_id <= 2**31 - 1, "seq_id",
+            "must be between 1 and 2^31-1 (an int32 on the protobuf wire), or left out")
     inp = getattr(req, key)
     datums = []
     for i, d in enumerate(inp.data):
@@ -109,13 +110,21 @@ def json_forward_backward(body: bytes, forward: bool) -> tuple[proto.FwdBwdReque
         tokens = d.model_input.to_tokens(f"{fld}.model_input")
         inputs = {k: td.to_numpy(0, f"{fld}.loss_fn_inputs.{k}") for k, td in d.loss_fn_inputs.items()}
         datums.append(proto.FwdBwdDatum(tokens, inputs))
-    require(req.seq_id <= 2**31 - 1, "seq_id", "must fit an int32 (the protobuf wire's)")
-    data = proto.encode_forward_backward_request(req.model_id, req.seq_id, datums, inp.loss_fn,
+    data = proto.encode_forward_backward_request(req.model_id, req.seq_id or 0, datums, inp.loss_fn,
                                                  inp.loss_fn_config, forward_only=forward)
     try:
-        return proto.decode_forward_backward_request(data), data
+        return proto.decode_forward_backward_request(data, require_seq_id=False), data
     except UserError as exc:
         raise renamed(exc, f"{key}.{exc.field}" if exc.field.startswith("data") else exc.field) from None
+
+
+def with_seq_id(data: bytes, seq_id: int) -> bytes:
+    """A protobuf ``ForwardBackwardRequest`` (``data``, decompressed) with its ``seq_id`` set:
+    the number the gateway gave a request that came without one."""
+    msg = proto.ForwardBackwardRequest()
+    msg.ParseFromString(data)
+    msg.seq_id = seq_id
+    return msg.SerializeToString()
 
 
 def renamed(exc: UserError, field: str) -> UserError:

@@ -58,7 +58,9 @@ async def asample(req: wire.SampleRequest, g: GatewayDep, caller: CallerDep, res
     requested sample.
 
     The SDK always names a sampling session (``sampling_session_id`` + ``seq_id``; the future
-    id is ``<sampling_session_id>:<seq_id>``, so a resend gets the same future). Without one,
+    id is ``<sampling_session_id>:<seq_id>``, so a resend gets the same future; without
+    ``seq_id``, which the SDK's type declares optional, ``<sampling_session_id>:r<random hex>``,
+    a new request each time: samples need no order). Without a session,
     the request names what to sample as ``SampleRequest`` documents it: ``model_path`` (a
     readable ``tinker://`` snapshot; ``base_model`` is inferred from it) or ``base_model``; each
     such request is new (future id ``<owner>:sample:<random hex>``), and ``record_stability_info``
@@ -72,9 +74,11 @@ async def asample(req: wire.SampleRequest, g: GatewayDep, caller: CallerDep, res
     sid = req.sampling_session_id
     if sid is not None:
         rec = await g.sampler(sid, caller.owner)
-        require(req.seq_id is not None and 0 <= req.seq_id < 2**63, "seq_id", "required, between 0 and 2^63-1")
+        require(req.seq_id is None or 0 <= req.seq_id < 2**63, "seq_id", "between 0 and 2^63-1, or left out")
         target = SampleTarget(rec.base_model, rec.model_path)
-        rid, subject = f"{sid}:{req.seq_id}", sid
+        # without seq_id (the SDK always sends one) each request is new: no resend gets its future back
+        rid = f"{sid}:{req.seq_id}" if req.seq_id is not None else f"{sid}:r{uuid.uuid4().hex}"
+        subject = sid
     else:
         require(req.base_model is not None or req.model_path is not None, "sampling_session_id",
                 "required, unless the request names base_model or model_path")

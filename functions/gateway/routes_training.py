@@ -13,13 +13,16 @@ future, event).
 
 from __future__ import annotations
 
+from typing import Awaitable, Callable
+
 from fastapi import APIRouter
 
 from functions.gateway.context import Gateway, require
 from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep
-from functions.gateway.fwdbwd import ForwardBackwardDep, renamed, validate_datums
+from functions.gateway.fwdbwd import ForwardBackwardDep, renamed, validate_datums, with_seq_id
+from functions.gateway.numbering import check_seq_id, numbered
 from functions.gateway.runs import checkpoint_path, check_optimizer, new_run, readable_manifest, refuse_frozen
-from functions.gateway.skips import MAX_SEQ_ID, SkipRejected, request_id_for
+from functions.gateway.skips import SkipRejected, request_id_for
 from openrl.contract import payloads
 from openrl.contract.records import SamplerSession, TrainingRun
 from openrl.edge import wire
@@ -41,17 +44,28 @@ async def enqueue(g: Gateway, run: TrainingRun, op: str, seq_id: int, data: dict
     return {"request_id": rid, "model_id": run.model_id}
 
 
-async def sequenced(g: Gateway, run: TrainingRun, op: str, seq_id: int | None, data: dict) -> dict:
+async def sequenced(g: Gateway, run: TrainingRun, op: str, seq_id: int | None,
+                    data: dict | Callable[[int], Awaitable[dict]]) -> dict:
     """Publish JSON training request ``seq_id`` of ``run``: ``data`` plus the run and seq_id,
-    as the op's :mod:`openrl.contract.payloads` model.
+    as the op's :mod:`openrl.contract.payloads` model. Without ``seq_id`` the gateway numbers
+    the request (:mod:`functions.gateway.numbering`); ``data`` may then depend on the number:
+    ``async data(seq_id) -> dict``.
 
     Raises:
-        UserError: seq_id missing or outside [1, MAX_SEQ_ID]; the run is a frozen copy.
+        UserError: seq_id outside [1, MAX_SEQ_ID], or numbered the other way than the run's
+            other requests; the run is a frozen copy.
     """
-    require(seq_id is not None and 1 <= seq_id <= MAX_SEQ_ID, "seq_id", f"must be between 1 and {MAX_SEQ_ID}")
     refuse_frozen(run)
-    payload = payloads.PAYLOADS[op].model_validate({"model_id": run.model_id, "seq_id": seq_id, **data})
-    return await enqueue(g, run, op, seq_id, payload.to_data())
+
+    async def publish(n: int) -> dict:
+        fields = await data(n) if callable(data) else data
+        payload = payloads.PAYLOADS[op].model_validate({"model_id": run.model_id, "seq_id": n, **fields})
+        return await enqueue(g, run, op, n, payload.to_data())
+
+    if seq_id is None:
+        return await numbered(g, run, publish)
+    check_seq_id(run, seq_id)
+    return await publish(seq_id)
 
 
 @router.post("/create_model", response_model=FUTURE)
@@ -96,15 +110,22 @@ async def forward_backward(body: ForwardBackwardDep, g: GatewayDep, caller: Call
     :mod:`functions.gateway.fwdbwd`)."""
     fb = body.request
     run = await g.model(fb.model_id, caller.owner)
-    require(fb.seq_id >= 1, "seq_id", "must be >= 1")
+    if fb.seq_id:  # 0: none (proto3's default; the SDK's seq_ids start at 1), numbered below
+        check_seq_id(run, fb.seq_id)
     refuse_frozen(run)
     base = g.registry.resolve(run.base_model)
     try:
         validate_datums(fb, g.vocab_size(run.base_model), base.max_context_length)
     except UserError as exc:
         raise renamed(exc, body.prefix + exc.field) from None
-    return await enqueue(g, run, "forward" if fb.forward_only else "forward_backward", fb.seq_id, body.data,
-                         tokens=sum(len(d.tokens) for d in fb.data))
+    op, tokens = "forward" if fb.forward_only else "forward_backward", sum(len(d.tokens) for d in fb.data)
+    if fb.seq_id:
+        return await enqueue(g, run, op, fb.seq_id, body.data, tokens=tokens)
+
+    async def publish(n: int) -> dict:
+        return await enqueue(g, run, op, n, with_seq_id(body.data, n), tokens=tokens)
+
+    return await numbered(g, run, publish)
 
 
 @router.post("/optim_step", response_model=FUTURE)
@@ -119,11 +140,16 @@ async def optim_step(req: wire.OptimStepRequest, g: GatewayDep, caller: CallerDe
 @router.post("/save_weights", response_model=FUTURE)
 async def save_weights(req: wire.SaveWeightsRequest, g: GatewayDep, caller: CallerDep) -> dict:
     """Save adapter + optimizer state as ``tinker://<run>/weights/<path or state-<seq_id>>``."""
-    path = checkpoint_path(req.model_id, "weights", req.path or f"state-{req.seq_id}")
+    if req.path:
+        checkpoint_path(req.model_id, "weights", req.path)  # a bad name: refused before it is numbered
     run = await g.model(req.model_id, caller.owner)
-    return await sequenced(g, run, "save_weights", req.seq_id,
-                           {"path": path, "ttl_seconds": req.ttl_seconds, "owner": caller.owner,
-                            **({"user_metadata": req.user_metadata} if req.user_metadata else {})})
+
+    async def data(n: int) -> dict:
+        return {"path": checkpoint_path(req.model_id, "weights", req.path or f"state-{n}"),
+                "ttl_seconds": req.ttl_seconds, "owner": caller.owner,
+                **({"user_metadata": req.user_metadata} if req.user_metadata else {})}
+
+    return await sequenced(g, run, "save_weights", req.seq_id, data)
 
 
 @router.post("/save_weights_for_sampler", response_model=FUTURE)
@@ -138,12 +164,15 @@ async def save_weights_for_sampler(req: wire.SaveWeightsForSamplerRequest, g: Ga
         return await sequenced(g, run, "save_weights_for_sampler", req.seq_id, data)
     require(req.sampling_session_seq_id is not None, "sampling_session_seq_id", "required when path is omitted")
     sid = f"{run.session_id}:sample:{req.sampling_session_seq_id}"
-    path = checkpoint_path(req.model_id, "sampler_weights", f"s{req.seq_id}-{req.sampling_session_seq_id}")
-    data.update(path=path, sampling_session_id=sid)
-    await g.bus.meta_put(SamplerSession.make(sampler_id=sid, owner=run.owner, base_model=run.base_model,
-                                             model_path=path, session_id=run.session_id, created=now_iso()),
-                         "sampler", sid)
-    return await sequenced(g, run, "save_weights_for_sampler", req.seq_id, data)
+
+    async def unnamed(n: int) -> dict:
+        path = checkpoint_path(req.model_id, "sampler_weights", f"s{n}-{req.sampling_session_seq_id}")
+        await g.bus.meta_put(SamplerSession.make(sampler_id=sid, owner=run.owner, base_model=run.base_model,
+                                                 model_path=path, session_id=run.session_id, created=now_iso()),
+                             "sampler", sid)
+        return {**data, "path": path, "sampling_session_id": sid}
+
+    return await sequenced(g, run, "save_weights_for_sampler", req.seq_id, unnamed)
 
 
 @router.post("/load_weights", response_model=FUTURE)
@@ -157,15 +186,23 @@ async def load_weights(req: wire.LoadWeightsRequest, g: GatewayDep, caller: Call
     starts a fresh run from the checkpoint.
     """
     if req.model_id is not None:
-        require(req.seq_id == 1, "seq_id",
-                f"load_state is accepted only as a training run's first request (this is request "
-                f"{req.seq_id}); create a new training client from the checkpoint with "
-                "ServiceClient.create_training_client_from_state(path) instead")
+        def first_only(n: int | None) -> None:
+            require(n == 1, "seq_id",
+                    f"load_state is accepted only as a training run's first request (this is request "
+                    f"{n}); create a new training client from the checkpoint with "
+                    "ServiceClient.create_training_client_from_state(path) instead")
+
+        if req.seq_id is not None:
+            first_only(req.seq_id)
         ckpt = TinkerPath.parse(req.path, field="path")
         await readable_manifest(g, ckpt, caller.owner)
         run = await g.model(req.model_id, caller.owner)
-        return await sequenced(g, run, "load_weights", req.seq_id,
-                               {"path": str(ckpt), "optimizer": req.optimizer, "create": False})
+
+        async def data(n: int) -> dict:
+            first_only(n)  # numbered by the gateway: a number other than 1 is refused (and skipped)
+            return {"path": str(ckpt), "optimizer": req.optimizer, "create": False}
+
+        return await sequenced(g, run, "load_weights", req.seq_id, data)
     # create-via-load (ServiceClient.create_training_client_from_state*)
     ckpt = TinkerPath.parse(req.path, field="path")
     manifest = await readable_manifest(g, ckpt, caller.owner)
@@ -202,11 +239,16 @@ async def save_weights_external(req: wire.SaveWeightsExternalRequest, g: Gateway
     """
     from functions.gateway.routes_download import request_age_encryption
 
-    path = checkpoint_path(req.model_id, "external_weights", req.path or f"external-{req.seq_id}")
+    if req.path:
+        checkpoint_path(req.model_id, "external_weights", req.path)  # a bad name: refused before it is numbered
     run = await g.model(req.model_id, caller.owner)
-    await request_age_encryption(g, TinkerPath.parse(path), req.seq_id, req.age_encryption_recipients)
-    return await sequenced(g, run, "save_weights_external", req.seq_id,
-                           {"path": path, "ttl_seconds": req.ttl_seconds, "owner": caller.owner})
+
+    async def data(n: int) -> dict:
+        path = checkpoint_path(req.model_id, "external_weights", req.path or f"external-{n}")
+        await request_age_encryption(g, TinkerPath.parse(path), n, req.age_encryption_recipients)
+        return {"path": path, "ttl_seconds": req.ttl_seconds, "owner": caller.owner}
+
+    return await sequenced(g, run, "save_weights_external", req.seq_id, data)
 
 
 @router.post("/unload_model", response_model=FUTURE)

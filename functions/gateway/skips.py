@@ -11,8 +11,11 @@ routes (:mod:`functions.gateway.routes_training`). When such a route answers wit
 :class:`openrl.errors.UserError` (400 / 404 / 413, a body that failed validation included), the
 request's ``(model_id, seq_id)`` is read back from the body as sent (JSON, or the first bytes
 of a protobuf ``ForwardBackwardRequest``) and skipped, if the run is the caller's and the
-seq_id is in ``[1, MAX_SEQ_ID]``. A 429 (:class:`openrl.errors.Overloaded`) or a 5xx is not
-skipped: the SDK resends that seq_id. The dead-letter sink skips a dead request's seq_id with
+seq_id is in ``[1, MAX_SEQ_ID]`` (an error whose ``skip`` attribute is False is not:
+:class:`functions.gateway.numbering.NumberingError`). A request without ``seq_id`` has none to
+skip; the number the gateway gave it, if any, is skipped by
+:func:`functions.gateway.numbering.numbered`. A 429 (:class:`openrl.errors.Overloaded`) or a
+5xx is not skipped: the SDK resends that seq_id. The dead-letter sink skips a dead request's seq_id with
 :func:`publish_skip` too.
 """
 
@@ -89,7 +92,9 @@ class SkipRejected(WireRoute):
         async def skip_rejected(request: Request) -> Response:
             try:
                 return await handler(request)
-            except (UserError, RequestValidationError):
+            except (UserError, RequestValidationError) as exc:
+                if not getattr(exc, "skip", True):  # e.g. numbering.NumberingError: not this request's number
+                    raise
                 model_id, seq_id = await sent_run_and_seq(request)
                 caller = getattr(request.state, "caller", None)  # set by deps.authenticate
                 if model_id is not None and caller is not None:

@@ -172,6 +172,10 @@ class TrainingRun(Record):
     user_metadata: dict[str, Any] = {}
     frozen: bool = False
     copy_of: str | None = None
+    #: ``"server"`` once a request came without ``seq_id``: the gateway numbers this run's
+    #: requests (``next_seq_id`` is the next number); None: its client numbers them (the SDK)
+    seq_numbering: str | None = None
+    next_seq_id: int | None = None
 
 
 class SamplerSession(Record):

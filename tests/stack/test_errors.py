@@ -469,10 +469,11 @@ def _(c):
                      topk_sample_logprobs=1000).result()
 
 
-@case("missing-sample-seq-id", "http", 400, "seq_id")
+@case("negative-sample-seq-id", "http", 400, "seq_id")
 def _(c):
     sid = c.sampler._sampling_session_id
-    return c.http.post("/asample", json={"sampling_session_id": sid, "prompt": {"chunks": [{"tokens": [1]}]}})
+    return c.http.post("/asample", json={"sampling_session_id": sid, "seq_id": -1,
+                                         "prompt": {"chunks": [{"tokens": [1]}]}})
 
 
 @dataclass(frozen=True)

@@ -150,3 +150,89 @@ def test_errors_and_try_again_are_json(http, run):
     assert r.status_code == 400 and r.json()["field"] == "content-type", r.text
     r = http.post("/forward_backward", content=b"x", headers={"Content-Type": "text/plain"})
     assert r.status_code == 400 and r.json()["field"] == "content-type", r.text
+
+
+# ----------------------------------------------------------- requests without seq_id
+
+
+def new_run(http, session: str, slot: int) -> str:
+    fut = ok(http.post("/create_model", json={"session_id": session, "model_seq_id": slot, "base_model": BASE_MODEL,
+                                              "lora_config": {"rank": 4, "seed": 1}}))
+    ok(result(http, fut["request_id"]))
+    return fut["model_id"]
+
+
+def test_without_seq_id_the_gateway_numbers_a_run_in_arrival_order(http, run):
+    session, numbered_by_client = run
+    model_id = new_run(http, session, 10)
+    body = {"model_id": model_id, "forward_backward_input": {"data": [datum()], "loss_fn": "cross_entropy"}}
+    fb = ok(http.post("/forward_backward", json=body))
+    step = ok(http.post("/optim_step", json={"model_id": model_id, "adam_params": {"learning_rate": 1e-2}}))
+    fw = ok(http.post("/forward", json={"model_id": model_id, "forward_input": body["forward_backward_input"]}))
+    save = ok(http.post("/save_weights", json={"model_id": model_id}))
+    assert [f["request_id"] for f in (fb, step, fw, save)] == [f"{model_id}:{n}" for n in (1, 2, 3, 4)]
+    before = ok(result(http, fb["request_id"]))["metrics"]["loss:sum"]
+    assert ok(result(http, fw["request_id"]))["metrics"]["loss:sum"] < before  # the step ran in between
+    assert ok(result(http, save["request_id"]))["path"] == f"tinker://{model_id}/weights/state-4"
+    # a request refused at the edge takes no number; one refused after taking it (an in-place
+    # load that is not the run's first request) has its number skipped: the next one runs
+    bad = http.post("/optim_step", json={"model_id": model_id, "adam_params": {"learning_rate": -1}})
+    assert bad.status_code == 400 and bad.json()["field"] == "adam_params.learning_rate"
+    load = http.post("/load_weights", json={"model_id": model_id, "path": f"tinker://{model_id}/weights/state-4",
+                                            "optimizer": False})
+    assert load.status_code == 400 and load.json()["field"] == "seq_id" and "request 5" in load.text, load.text
+    nxt = ok(http.post("/forward", json={"model_id": model_id, "forward_input": body["forward_backward_input"]}))
+    assert nxt["request_id"] == f"{model_id}:6"
+    assert ok(result(http, nxt["request_id"], timeout_s=60))["metrics"]["loss:sum"] > 0
+    # one numbering per run: seq_id on this run, or none on a run whose client numbers it, is refused
+    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 7, "adam_params": {}})
+    assert r.status_code == 400 and r.json()["field"] == "seq_id" and "numbered by the gateway" in r.text, r.text
+    r = http.post("/optim_step", json={"model_id": numbered_by_client, "adam_params": {}})
+    assert r.status_code == 400 and r.json()["field"] == "seq_id" and "numbered by its client" in r.text, r.text
+    # the refused explicit seq_id 7 was not skipped: the gateway's own 7 runs
+    nxt = ok(http.post("/forward", json={"model_id": model_id, "forward_input": body["forward_backward_input"]}))
+    assert nxt["request_id"] == f"{model_id}:7"
+    assert ok(result(http, nxt["request_id"], timeout_s=60))["metrics"]["loss:sum"] > 0
+
+
+def test_concurrent_requests_without_seq_id_get_distinct_numbers(http, run, stack, api_key):
+    from concurrent.futures import ThreadPoolExecutor
+
+    session, _ = run
+    model_id = new_run(http, session, 11)
+    body = {"model_id": model_id, "forward_input": {"data": [datum()], "loss_fn": "cross_entropy"}}
+
+    def send(_):
+        with httpx.Client(base_url=stack.base_url + "/api/v1", headers={"X-API-Key": api_key}, timeout=60) as c:
+            return ok(c.post("/forward", json=body))["request_id"]
+
+    with ThreadPoolExecutor(8) as pool:
+        rids = list(pool.map(send, range(16)))
+    assert sorted(rids, key=lambda r: int(r.rsplit(":", 1)[1])) == [f"{model_id}:{n}" for n in range(1, 17)]
+    losses = {ok(result(http, rid))["metrics"]["loss:sum"] for rid in rids}  # no gap: every one runs
+    assert len(losses) == 1  # forward only: the same weights each time
+
+
+def test_protobuf_body_without_seq_id_is_numbered_too(http, run):
+    from openrl.edge import proto
+    import numpy as np
+
+    session, _ = run
+    model_id = new_run(http, session, 12)
+    n = len(SEQ) - 1
+    raw = proto.encode_forward_backward_request(model_id, 0, [proto.FwdBwdDatum(
+        SEQ[:-1], {"target_tokens": np.array(SEQ[1:]), "weights": np.ones(n, np.float32)})], "cross_entropy")
+    fb = ok(http.post("/forward_backward", content=raw, headers={"Content-Type": "application/x-protobuf"}))
+    assert fb["request_id"] == f"{model_id}:1"
+    assert ok(result(http, fb["request_id"]))["metrics"]["loss:sum"] > 0
+
+
+def test_asample_without_seq_id_is_a_new_request_each_time(http, run):
+    session, _ = run
+    sid = ok(http.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 5,
+                                                         "base_model": BASE_MODEL}))["sampling_session_id"]
+    req = {"sampling_session_id": sid, "prompt": {"chunks": [{"type": "encoded_text", "tokens": SEQ[:3]}]},
+           "sampling_params": {"max_tokens": 2}}
+    a, b = ok(http.post("/asample", json=req)), ok(http.post("/asample", json=req))
+    assert a["request_id"] != b["request_id"] and all(r["request_id"].startswith(sid + ":") for r in (a, b))
+    assert len(ok(result(http, b["request_id"]))["sequences"]) == 1

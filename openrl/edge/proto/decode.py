@@ -208,7 +208,7 @@ def peek_run_and_seq(head: bytes, content_encoding: str | None = None) -> tuple[
 
 
 def decode_forward_backward_request(
-    body: bytes, *, content_encoding: str | None = None
+    body: bytes, *, content_encoding: str | None = None, require_seq_id: bool = True
 ) -> FwdBwdRequest:
     """Decode a ``/forward_backward`` protobuf body.
 
@@ -217,6 +217,9 @@ def decode_forward_backward_request(
         content_encoding: the ``Content-Encoding`` header; ``"zstd"`` bodies are
             decompressed (at most ``MAX_DECOMPRESSED_BYTES``), ``None``/``"identity"``
             taken as is.
+        require_seq_id: False: a body without ``seq_id`` (0 on the proto3 wire, which the SDK
+            never sends: its seq_ids start at 1) decodes with ``seq_id == 0``, for the gateway
+            to number (the SDK's ``ForwardBackwardRequest.seq_id`` is optional).
 
     Returns:
         A :class:`FwdBwdRequest`; see :class:`FwdBwdDatum` for array dtypes and shapes.
@@ -245,7 +248,7 @@ def decode_forward_backward_request(
         raise UserError("body", f"malformed ForwardBackwardRequest protobuf: {exc}") from None
     if not msg.model_id:
         raise UserError("model_id", "required")
-    if msg.seq_id < 1:
+    if msg.seq_id < (1 if require_seq_id else 0):
         raise UserError("seq_id", f"must be >= 1, got {msg.seq_id}")
     if not msg.loss_fn:
         raise UserError("loss_fn", "required")

@@ -58,7 +58,8 @@ class FwdBwdRequest:
 
     Attributes:
         model_id: the training run id (non-empty).
-        seq_id: the per-model sequence number (≥ 1).
+        seq_id: the per-model sequence number (≥ 1; 0 when the body has none and the decoder was
+            told not to require one: the gateway numbers such a request).
         loss_fn: loss function name as sent (e.g. ``"cross_entropy"``); not checked here.
         loss_fn_config: the legacy numeric map merged with ``loss_fn_config_v2``
             (v2 wins); values are ``float`` or ``str``.
