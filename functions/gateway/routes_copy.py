@@ -40,10 +40,11 @@ async def copy_weights(req: wire.CopyWeightsRequest, g: GatewayDep, caller: Call
     Raises:
         UserError: a field of :class:`openrl.edge.wire.CopyWeightsRequest`; the session slot is taken.
         NotFound: ``source_path`` is not readable by the caller; ``session_id`` is not theirs.
-        NotSupported: ``X-Tinker-Weights-Access-Token`` (this server issues no access tokens).
+        NotSupported: ``X-Tinker-Weights-Access-Token`` or ``weights_access_token`` (this server
+            issues no access tokens).
     """
     who = caller.owner
-    if x_tinker_weights_access_token:
+    if x_tinker_weights_access_token or req.weights_access_token:
         raise NotSupported("weights_access_token", "this server issues no weights access tokens; a checkpoint "
                            "your API key can read (your own, or a published one) needs none")
     src = TinkerPath.parse(req.source_path, field="source_path")

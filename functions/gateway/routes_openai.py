@@ -195,11 +195,19 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(WireModel):
-    """One message: ``content`` a string or a list of ``{"type": "text", "text"}`` parts."""
+    """One message: ``content`` a string or a list of ``{"type": "text", "text"}`` parts. The keys
+    of an assistant message as the API returns it (``refusal``, ``tool_calls``, ...) are accepted
+    empty, so a client can send a previous answer back; set, they are refused (no tool calling)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    refusal: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    annotations: list[Any] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -434,6 +442,8 @@ async def completions(req: CompletionRequest, g: GatewayDep, caller: OpenAICalle
 
 
 def _chat_text(m: ChatMessage, i: int) -> str:
+    for name in ("refusal", "tool_calls", "function_call", "audio", "annotations", "tool_call_id"):
+        require(not getattr(m, name), f"messages[{i}].{name}", "not supported by this server (text messages only)")
     if m.content is None or isinstance(m.content, str):
         return m.content or ""
     out = []

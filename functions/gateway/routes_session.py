@@ -84,8 +84,8 @@ async def session_heartbeat(req: wire.SessionHeartbeatRequest, g: GatewayDep, ca
 
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str, request: Request, g: GatewayDep, caller: CallerDep) -> dict:
-    """Mark a session finished. The body (``{reason: {type}}``, optional) is read leniently:
-    any reason type is recorded as sent."""
+    """Mark a session finished. The body (``{reason: {type}, detail}``, optional) is read
+    leniently: any reason type is recorded as sent; an unknown key is refused, naming it."""
     rec = await g.session(session_id, caller.owner)
     import json
 
@@ -94,9 +94,15 @@ async def finish_session(session_id: str, request: Request, g: GatewayDep, calle
     except ValueError as exc:  # not JSON, or not UTF-8
         raise UserError("body", f"malformed JSON: {exc}") from None
     reason = body.get("reason") if isinstance(body, dict) else None
-    if not isinstance(body, dict) or not isinstance(reason or {}, dict) \
-            or not isinstance((reason or {}).get("type") or "", str):
+    # a falsy type other than a string (0, false, []) is refused too: it would be stored as the
+    # record's finish_reason, which must be a string
+    if not isinstance(body, dict) or not isinstance(reason if reason is not None else {}, dict) \
+            or not isinstance((reason or {}).get("type", ""), (str, type(None))):
         raise UserError("reason", 'expected {"reason": {"type": "<string>"}} or no body')
+    for key in [k or '""' for k in body if k not in ("reason", "detail")] + \
+            [f"reason.{k or chr(34) * 2}" for k in reason or {} if k != "type"]:
+        raise UserError(key, 'unknown field; the body is {"reason": {"type": "<string>"}, "detail": "<string>"}')
+
     def finish(cur: Session) -> None:  # compare-and-set, like the heartbeat
         cur.status = "finished"
         cur.finish_reason = (body.get("reason") or {}).get("type")

@@ -185,6 +185,9 @@ async def load_weights(req: wire.LoadWeightsRequest, g: GatewayDep, caller: Call
     ``load_state*`` in favour of ``ServiceClient.create_training_client_from_state*``, which
     starts a fresh run from the checkpoint.
     """
+    if req.weights_access_token:
+        raise NotSupported("weights_access_token", "this server issues no weights access tokens; a checkpoint "
+                           "your API key can read (your own, or a published one) needs none")
     if req.model_id is not None:
         def first_only(n: int | None) -> None:
             require(n == 1, "seq_id",

@@ -332,6 +332,21 @@ def _(c):
     return c.http.post("/forward_backward", headers=PB, content=msg.SerializeToString())
 
 
+@case("unknown-protobuf-field", "http", 400, "data[0].#9")
+def _(c):
+    msg = proto.ForwardBackwardRequest.FromString(fb_body(c.run, c.next_seq()))
+    d = proto.Datum.FromString(msg.data[0].SerializeToString() + bytes([(9 << 3) | 0, 1]))  # field 9: none
+    msg.data[0].CopyFrom(d)
+    return c.http.post("/forward_backward", headers=PB, content=msg.SerializeToString())
+
+
+@case("unknown-json-field", "http", 400, "prompt.tokens")
+def _(c):
+    # a prompt written {"tokens": [...]} instead of {"chunks": [{"type": "encoded_text", "tokens": [...]}]}
+    return c.http.post("/asample", json={"sampling_session_id": c.sampler._sampling_session_id, "seq_id": 10**6,
+                                         "prompt": {"tokens": [1, 2]}, "sampling_params": {"max_tokens": 1}})
+
+
 @case("bad-sparse-indices", "http", 400, "data[0].loss_fn_inputs.weights")
 def _(c):
     msg = proto.ForwardBackwardRequest.FromString(fb_body(c.run, c.next_seq()))

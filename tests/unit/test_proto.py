@@ -470,6 +470,32 @@ def test_results_as_json_match_what_the_sdk_decodes():
     assert "NaN" not in json_text
 
 
+def test_unknown_protobuf_fields_are_refused_naming_them():
+    """Invariant 12 for protobuf bodies: a field number the schema lacks, at any depth."""
+    good = P.encode_forward_backward_request("m", 1, [P.FwdBwdDatum([1, 2], {"weights": np.ones(2, np.float32)})],
+                                             "cross_entropy")
+    P.decode_forward_backward_request(good)
+    with pytest.raises(UserError) as ei:  # top level: field 9, varint 5
+        P.decode_forward_backward_request(good + bytes([(9 << 3) | 0, 5]))
+    assert ei.value.field == "#9" and "ForwardBackwardRequest" in ei.value.message
+    msg = P.ForwardBackwardRequest()
+    msg.ParseFromString(good)
+    # inside a chunk and inside a tensor: an unknown field appended to the nested message's bytes
+    chunk = P.Chunk()
+    chunk.ParseFromString(msg.data[0].model_input[0].SerializeToString() + bytes([(7 << 3) | 0, 1]))
+    msg.data[0].model_input[0].CopyFrom(chunk)
+    with pytest.raises(UserError) as ei:
+        P.decode_forward_backward_request(msg.SerializeToString())
+    assert ei.value.field == "data[0].model_input.chunks[0].#7"
+    msg.ParseFromString(good)
+    t = P.Tensor()
+    t.ParseFromString(msg.data[0].loss_fn_inputs["weights"].SerializeToString() + bytes([(12 << 3) | 2, 1, 0]))
+    msg.data[0].loss_fn_inputs["weights"].CopyFrom(t)
+    with pytest.raises(UserError) as ei:
+        P.decode_forward_backward_request(msg.SerializeToString())
+    assert ei.value.field == "data[0].loss_fn_inputs.weights.#12"
+
+
 def test_csr_to_dense_pad():
     out = P.csr_to_dense(np.array([4, 5]), [0, 1, 1, 2], [2, 0], [3, 3], pad_value=-1)
     assert out.tolist() == [[-1, -1, 4], [-1, -1, -1], [5, -1, -1]]

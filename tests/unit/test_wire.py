@@ -195,18 +195,34 @@ def test_rest_bodies():
 # ------------------------------------------------------------------- leniency and errors
 
 
-def test_unknown_fields_ignored_and_type_not_required():
+def test_unknown_fields_refused_naming_them_and_type_not_required():
+    # invariant 12: a key the server cannot honour is refused, never dropped (the SDK's own
+    # request types forbid extra fields, so it never sends one)
     body = sdk_body(T.GetInfoRequest(model_id="m"))
-    body.update(future_field=1, nested={"x": [1]})
-    assert W.parse_request(W.GetInfoRequest, body).model_id == "m"
+    body.update(future_field=1)
+    e = user_error(W.GetInfoRequest, body)
+    assert e.field == "future_field" and "unknown field" in e.message and "model_id" in e.message
     body = sdk_body(T.SampleRequest(prompt=T.ModelInput.from_ints([1]), sampling_params=T.SamplingParams()))
-    body["sampling_params"]["min_p"] = 0.1
-    body["prompt"]["chunks"][0]["extra"] = True
     del body["type"]
     assert W.parse_request(W.SampleRequest, body).prompt.to_tokens() == [1]
-    for model, b in [(W.CreateModelRequest, {"session_id": "s", "model_seq_id": 0, "base_model": "b", "type": "other"}),
-                     (W.OptimStepRequest, {"model_id": "m", "adam_params": {}})]:
-        W.parse_request(model, b)
+    for where, field in ((("sampling_params",), "sampling_params.min_p"), (("prompt", "chunks", 0), "prompt.chunks[0].extra")):
+        b = json.loads(json.dumps(body))
+        target = b
+        for k in where:
+            target = target[k]
+        target[field.rsplit(".", 1)[1]] = 0.1
+        assert user_error(W.SampleRequest, b).field == field
+    # a raw asample whose prompt is {"tokens": [...]}: named, not "the prompt has no tokens"
+    e = user_error(W.SampleRequest, {"prompt": {"tokens": [1, 2]}, "sampling_params": {}})
+    assert e.field == "prompt.tokens" and "ModelInput takes chunks" in e.message
+    # an unknown key wins over a missing one: it is what the client got wrong
+    assert user_error(W.SampleRequest, {"promt": {"chunks": []}}).field == "promt"
+    assert user_error(W.CreateModelRequest, {"session_id": "s", "model_seq_id": 0, "base_model": "b",
+                                             "type": "other"}).field == "type"
+    W.parse_request(W.OptimStepRequest, {"model_id": "m", "adam_params": {}})
+    assert user_error(W.OptimStepRequest, {"model_id": "m", "adam_params": {"lr": 1}}).field == "adam_params.lr"
+    assert user_error(W.CreateModelRequest, {"session_id": "s", "model_seq_id": 0, "base_model": "b",
+                                             "lora_config": {"rank": 4, "alpha": 8}}).field == "lora_config.alpha"
 
 
 @pytest.mark.parametrize("model,body,field", [

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 import numpy as np
 from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from openrl.edge.proto.compress import MAX_DECOMPRESSED_BYTES, decompress, decompress_head
 from openrl.edge.proto.schema import DType, ForwardBackwardRequest
@@ -207,6 +208,41 @@ def peek_run_and_seq(head: bytes, content_encoding: str | None = None) -> tuple[
     return model_id, seq_id
 
 
+def _field_path(parent: str, name: str) -> str:
+    return f"{parent}.{name}" if parent else name
+
+
+def refuse_unknown_fields(msg: Any, path: str = "") -> None:
+    """Refuse a message that carries a field its schema does not have, anywhere inside it
+    (invariant 12: protobuf keeps unknown fields aside and the decoder would never read them).
+
+    Fields are named as the decoder names them (``data[0].model_input.chunks[1]``,
+    ``data[0].loss_fn_inputs.weights``); the unknown one by its number, ``<path>.#<number>``.
+
+    Raises:
+        UserError: naming the first unknown field found.
+    """
+    unknown = list(UnknownFieldSet(msg))
+    if unknown:
+        known = ", ".join(f"{f.name}={f.number}" for f in msg.DESCRIPTOR.fields)
+        f = unknown[0]
+        raise UserError(_field_path(path, f"#{f.field_number}"),
+                        f"unknown field number {f.field_number} of {msg.DESCRIPTOR.name} (its fields: {known})")
+    for fd, value in msg.ListFields():
+        if fd.message_type is None:
+            continue
+        name = _field_path(path, "model_input.chunks" if fd.full_name.endswith("Datum.model_input") else fd.name)
+        if fd.message_type.GetOptions().map_entry:
+            if fd.message_type.fields_by_name["value"].message_type is not None:
+                for key, sub in value.items():
+                    refuse_unknown_fields(sub, f"{name}.{key}")
+        elif fd.is_repeated:
+            for i, sub in enumerate(value):
+                refuse_unknown_fields(sub, f"{name}[{i}]")
+        else:
+            refuse_unknown_fields(value, name)
+
+
 def decode_forward_backward_request(
     body: bytes, *, content_encoding: str | None = None, require_seq_id: bool = True
 ) -> FwdBwdRequest:
@@ -229,7 +265,8 @@ def decode_forward_backward_request(
 
     Raises:
         UserError: with the offending field named — ``Content-Encoding``; ``body``
-            (bad zstd, unparseable protobuf); ``model_id`` (empty); ``seq_id`` (< 1);
+            (bad zstd, unparseable protobuf); a field number the schema does not have, anywhere
+            (``data[0].#9``, :func:`refuse_unknown_fields`); ``model_id`` (empty); ``seq_id`` (< 1);
             ``loss_fn`` (empty); ``loss_fn_config.<k>`` (no value);
             ``data[i].model_input.chunks[j]`` (empty, image or dmel chunk; token bytes
             not a multiple of 4; negative ids); ``data[i].loss_fn_inputs.<key>``
@@ -246,6 +283,7 @@ def decode_forward_backward_request(
         msg.ParseFromString(raw)
     except (DecodeError, ValueError, RuntimeError) as exc:
         raise UserError("body", f"malformed ForwardBackwardRequest protobuf: {exc}") from None
+    refuse_unknown_fields(msg)
     if not msg.model_id:
         raise UserError("model_id", "required")
     if msg.seq_id < (1 if require_seq_id else 0):

@@ -1,6 +1,6 @@
 """Pydantic v2 models of the JSON bodies spoken with the tinker 0.38.0 SDK.
 
-* ``openrl.edge.wire.requests``  — request bodies (unknown fields ignored, ``type`` never required)
+* ``openrl.edge.wire.requests``  — request bodies (an unknown field is refused naming it, ``type`` never required)
 * ``openrl.edge.wire.responses`` — response bodies (serialize with :func:`dump`)
 * ``openrl.edge.wire.common``    — ModelInput / chunks, TensorData, LoraConfig, OptimizerConfig
 * :func:`parse_request` and :func:`validation_error_to_user_error` turn bad input into

@@ -25,9 +25,12 @@ _MODELS: dict[str, type[BaseModel]] = {}
 
 
 class WireModel(BaseModel):
-    """Base of every request body: unknown fields (``type`` included) are ignored."""
+    """Base of every request body: an unknown field is refused, naming it (invariant 12: an
+    input the service cannot honour is never dropped). Each model declares every key the SDK
+    sends (its request types forbid extra fields too), ``type`` included where the SDK sends
+    one; ``type`` is never required."""
 
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
@@ -120,8 +123,9 @@ def _pick_member(union: Any, comp: Any) -> Any:
     return Any
 
 
-def _loc_to_path(model: Any, loc: tuple[Any, ...]) -> tuple[str, int | None]:
-    """Dotted path of ``loc``, and the loc index of the first plain (untagged) union member."""
+def _loc_to_path(model: Any, loc: tuple[Any, ...]) -> tuple[str, int | None, Any]:
+    """Dotted path of ``loc``, the loc index of the first plain (untagged) union member, and
+    the type ``loc`` leads to (``Any`` where it is not known)."""
     plain_union_at: int | None = None
     path = ""
     tp: Any = model
@@ -146,14 +150,14 @@ def _loc_to_path(model: Any, loc: tuple[Any, ...]) -> tuple[str, int | None]:
                 if comp in (fname, finfo.alias, finfo.validation_alias):
                     name, nxt = fname, finfo.annotation
                     break
-            path += f".{name}"
+            path += f".{name}" if name != "" else '.""'  # an empty key, named so
             tp = nxt
         else:
-            path += f".{comp}"
+            path += f".{comp}" if comp != "" else '.""'
             args = get_args(tp)
             tp = args[1] if origin is dict and len(args) == 2 else Any
         i += 1
-    return path.lstrip("."), plain_union_at
+    return path.lstrip("."), plain_union_at, tp
 
 
 def validation_error_to_user_error(
@@ -174,10 +178,13 @@ def validation_error_to_user_error(
     errors = exc.errors(include_url=False)
     if not errors:
         return UserError("body", str(exc))
-    err = errors[0]
+    # an unknown key first: it is what the client got wrong, whatever else it left out
+    err = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0])
     model = model or _MODELS.get(exc.title)
     loc = tuple(err.get("loc", ()))
-    path, union_at = _loc_to_path(model if model is not None else Any, loc)
+    path, union_at, _ = _loc_to_path(model if model is not None else Any, loc)
+    if err.get("type") == "extra_forbidden":
+        return UserError(path or "body", _unknown_field(model if model is not None else Any, loc))
     msg = err.get("msg", "invalid value")
     ctx = err.get("ctx") or {}
     cause = ctx.get("error")
@@ -188,7 +195,7 @@ def validation_error_to_user_error(
             eloc = tuple(e.get("loc", ()))
             if eloc[:union_at] == loc[:union_at] and len(eloc) > union_at and eloc[union_at] not in tried:
                 tried.append(eloc[union_at])
-        path, _ = _loc_to_path(model if model is not None else Any, loc[:union_at])
+        path, _, _ = _loc_to_path(model if model is not None else Any, loc[:union_at])
         msg = "invalid value; expected one of: " + " | ".join(map(str, tried))
     elif err.get("type") == "union_tag_invalid":
         path = f"{path}.type" if path else "type"
@@ -201,3 +208,13 @@ def validation_error_to_user_error(
     if err.get("type") == "missing":
         msg = "required"
     return UserError(path or "body", msg)
+
+
+def _unknown_field(model: Any, loc: tuple[Any, ...]) -> str:
+    """The message of an unknown key at ``loc``: which keys the object there takes."""
+    _, _, parent = _loc_to_path(model, loc[:-1])
+    parent, _ = _unwrap(parent)
+    if isinstance(parent, type) and issubclass(parent, BaseModel):
+        names = [f.alias or name for name, f in parent.model_fields.items()]
+        return f"unknown field; {parent.__name__} takes {', '.join(names)}"
+    return "unknown field"

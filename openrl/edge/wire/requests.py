@@ -1,6 +1,7 @@
 """Request bodies the tinker 0.38.0 SDK sends (dumped with ``exclude_none=True``).
 
-Every model ignores unknown fields and never requires ``type``.
+Every model refuses an unknown field, naming it (the SDK's own request types forbid extra
+fields, so it never sends one), and never requires ``type``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class ClientConfigRequest(WireModel):
 class CreateSessionRequest(WireModel):
     """``/create_session``."""
 
+    type: Literal["create_session"] | None = None  # the SDK's discriminator; never required
     tags: list[str] = []
     user_metadata: dict[str, Any] | None = None
     sdk_version: str = ""
@@ -59,6 +61,7 @@ class CreateSessionRequest(WireModel):
 class SessionHeartbeatRequest(WireModel):
     """``/session_heartbeat``."""
 
+    type: Literal["session_heartbeat"] | None = None  # the SDK's discriminator; never required
     session_id: str
 
 
@@ -110,6 +113,7 @@ class CancelFutureRequest(WireModel):
 class JoinSamplingSessionRequest(WireModel):
     """``/join_sampling_session`` (only with ``sample_join_sampling_session``)."""
 
+    type: Literal["join_sampling_session"] | None = None  # the SDK's discriminator; never required
     sampling_session_id: str
 
 
@@ -119,6 +123,7 @@ class JoinSamplingSessionRequest(WireModel):
 class CreateModelRequest(WireModel):
     """``/create_model``; the run id is ``f"{session_id}:train:{model_seq_id}"``."""
 
+    type: Literal["create_model"] | None = None  # the SDK's discriminator; never required
     session_id: str
     model_seq_id: NonNegInt
     base_model: str
@@ -130,6 +135,7 @@ class CreateModelRequest(WireModel):
 class GetInfoRequest(WireModel):
     """``/get_info`` (synchronous)."""
 
+    type: Literal["get_info"] | None = None  # the SDK's discriminator; never required
     model_id: str
 
 
@@ -203,6 +209,7 @@ class OptimStepRequest(WireModel):
     """``/optim_step``: ``adam_params`` for AdamW runs, ``optimizer_params`` otherwise
     (an ``optim_params`` key is routed to one of them by its ``type``)."""
 
+    type: Literal["optim_step"] | None = None  # the SDK's discriminator; never required
     model_id: str
     seq_id: int | None = None
     adam_params: AdamParams | None = None
@@ -237,6 +244,7 @@ class OptimStepRequest(WireModel):
 class SaveWeightsRequest(WireModel):
     """``/save_weights`` (``save_state``): ``path`` is a bare checkpoint name."""
 
+    type: Literal["save_weights"] | None = None  # the SDK's discriminator; never required
     model_id: str
     path: str | None = None
     seq_id: int | None = None
@@ -254,6 +262,7 @@ class SaveWeightsForSamplerRequest(WireModel):
     """``/save_weights_for_sampler``: named (``path``) or unnamed
     (``sampling_session_seq_id``: save and create a sampling session)."""
 
+    type: Literal["save_weights_for_sampler"] | None = None  # the SDK's discriminator; never required
     model_id: str
     path: str | None = None
     sampling_session_seq_id: NonNegInt | None = None
@@ -277,6 +286,7 @@ class SaveWeightsForSamplerRequest(WireModel):
 class SaveWeightsExternalRequest(WireModel):
     """``/save_weights_external``."""
 
+    type: Literal["save_weights_external"] | None = None  # the SDK's discriminator; never required
     model_id: str
     path: str
     seq_id: int | None = None
@@ -293,6 +303,7 @@ class LoadWeightsRequest(WireModel):
     """``/load_weights``. Create-via-load: ``session_id`` + ``model_seq_id`` (the new run
     is ``f"{session_id}:train:{model_seq_id}"``). In place (legacy): ``model_id`` + ``seq_id``."""
 
+    type: Literal["load_weights"] | None = None  # the SDK's discriminator; never required
     model_id: str | None = None
     seq_id: int | None = None
     session_id: str | None = None
@@ -324,6 +335,7 @@ class LoadWeightsRequest(WireModel):
 class UnloadModelRequest(WireModel):
     """``/unload_model`` (unused by 0.38.0)."""
 
+    type: Literal["unload_model"] | None = None  # the SDK's discriminator; never required
     model_id: str
 
 
@@ -333,6 +345,7 @@ class UnloadModelRequest(WireModel):
 class CreateSamplingSessionRequest(WireModel):
     """``/create_sampling_session``; id ``f"{session_id}:sample:{sampling_session_seq_id}"``."""
 
+    type: Literal["create_sampling_session"] | None = None  # the SDK's discriminator; never required
     session_id: str
     sampling_session_seq_id: NonNegInt
     base_model: str | None = None
@@ -374,6 +387,7 @@ class SampleRequest(WireModel):
     """``/asample``; the SDK always addresses a sampling session (``sampling_session_id``,
     ``seq_id``)."""
 
+    type: Literal["sample"] | None = None  # the SDK's discriminator; never required
     num_samples: PosInt = 1
     prompt: ModelInput
     sampling_params: SamplingParams = SamplingParams()
@@ -433,6 +447,8 @@ class CopyWeightsRequest(WireModel):
     model_seq_id: NonNegInt | None = None
     destination_project_id: str | None = None
     ttl_seconds: Annotated[int, Field(ge=3600, le=10 * 365 * 86400)] | None = None
+    weights_access_token: str | None = None
+    """Refused when set: this server issues no weights access tokens."""
 
     @model_validator(mode="after")
     def _destination(self) -> "CopyWeightsRequest":
