@@ -82,6 +82,8 @@ class BodyCapMiddleware:
             resp = JSONResponse(status_code=413, content={
                 "detail": f"body: request body of {length} bytes exceeds the limit of {limit} bytes",
                 "category": "user", "field": "body"})
+            if path.startswith("/v1/"):  # the OpenAI-compatible endpoint: OpenAI's error object too
+                resp = errors.with_openai_error(resp)
             return await resp(scope, receive, send)
         seen = 0
 

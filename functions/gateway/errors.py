@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 
 from openrl.edge import wire
 from openrl.edge.auth import HEADER, AuthError
-from openrl.errors import OpenRLError, UserError
+from openrl.errors import NotSupported, OpenRLError, UserError
 
 
 #: FastAPI / Starlette 4xx statuses answered in the JSON shape of docs/errors.md, and the field each names.
@@ -76,6 +76,72 @@ def body_error(model: type[pydantic.BaseModel], body: object) -> UserError:
     return UserError("body", f"does not fit {model.__name__}")  # pragma: no cover - FastAPI and pydantic agree
 
 
+def request_user_error(request: Request, exc: RequestValidationError) -> UserError | None:
+    """The :class:`UserError` (400) of a request FastAPI found invalid: its JSON body, named by
+    :func:`body_error` (a body whose ``Content-Type`` is not JSON: ``content-type``), or a path,
+    query or header parameter (not FastAPI's 422 list). None when it has no error to name."""
+    model = body_model(request)
+    if model is not None and any(tuple(e.get("loc", ()))[:1] == ("body",) for e in exc.errors()):
+        if isinstance(exc.body, (bytes, bytearray)):  # FastAPI parses only a JSON content type
+            ctype = request.headers.get("content-type", "")
+            return UserError("content-type", f"{ctype!r}: this route takes a JSON body (Content-Type: application/json)")
+        return body_error(model, exc.body)
+    errs = exc.errors()
+    if errs:
+        loc = [str(p) for p in tuple(errs[0].get("loc", ()))[1:]] or ["request"]
+        return UserError(".".join(loc), str(errs[0].get("msg", "invalid")))
+    return None
+
+
+#: :attr:`UserError.kind <openrl.edge.wire.validation_error_to_user_error>` -> OpenAI's error ``code``
+_OPENAI_CODES = {"unknown": "unknown_parameter", "missing": "missing_required_parameter", "invalid": "invalid_value"}
+
+
+def openai_error(status: int, body: dict, src: BaseException | None = None) -> dict:
+    """OpenAI's error object (``{"message", "type", "param", "code"}``) of an answer of ``status``
+    whose docs/errors.md body is ``body``, raised as ``src``. What client libraries branch on:
+
+    * 401: ``invalid_request_error`` / ``invalid_api_key``;
+    * 404 naming ``model`` (an unknown model, or a snapshot the key may not read):
+      ``invalid_request_error`` / ``model_not_found``;
+    * other 4xx: ``invalid_request_error``; ``code`` ``unknown_parameter`` (a key the request
+      does not have), ``missing_required_parameter``, ``unsupported_parameter`` (an option this
+      server does not implement), ``invalid_value`` (a value out of range), else null;
+    * 429: ``requests`` / ``rate_limit_exceeded``; 5xx: ``server_error``.
+    """
+    param = body.get("field")
+    code = None
+    if status >= 500:
+        kind = "server_error"
+    elif status == 429:
+        kind, code = "requests", "rate_limit_exceeded"
+    else:
+        kind = "invalid_request_error"
+        if status == 401:
+            code = "invalid_api_key"
+        elif status == 404 and param == "model":
+            code = "model_not_found"
+        elif getattr(src, "unsupported", False) or isinstance(src, NotSupported):
+            code = "unsupported_parameter"
+        elif status == 400 and param:
+            code = _OPENAI_CODES.get(getattr(src, "kind", None), "invalid_value")
+    return {"message": body.get("detail", ""), "type": kind, "param": param, "code": code}
+
+
+def with_openai_error(resp: JSONResponse, src: BaseException | None = None) -> JSONResponse:
+    """``resp`` (a docs/errors.md JSON error) with OpenAI's ``error`` object added to its body,
+    headers kept (``Retry-After``)."""
+    try:
+        body = json.loads(resp.body)
+    except (AttributeError, ValueError):
+        return resp
+    if not isinstance(body, dict):
+        return resp
+    body["error"] = openai_error(resp.status_code, body, src)
+    return JSONResponse(status_code=resp.status_code, content=body,
+                        headers={k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "content-type")})
+
+
 def install(app: FastAPI) -> None:
     """Register the gateway's exception handlers on ``app``."""
 
@@ -90,17 +156,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(request: Request, exc: RequestValidationError):
-        model = body_model(request)
-        if model is not None and any(tuple(e.get("loc", ()))[:1] == ("body",) for e in exc.errors()):
-            if isinstance(exc.body, (bytes, bytearray)):  # FastAPI parses only a JSON content type
-                ctype = request.headers.get("content-type", "")
-                return error_response(UserError("content-type", f"{ctype!r}: this route takes a JSON body "
-                                                                "(Content-Type: application/json)"))
-            return error_response(body_error(model, exc.body))
-        errs = exc.errors()
-        if errs:  # a path, query or header parameter: 400 naming it (not FastAPI's 422 list)
-            loc = [str(p) for p in tuple(errs[0].get("loc", ()))[1:]] or ["request"]
-            return error_response(UserError(".".join(loc), str(errs[0].get("msg", "invalid"))))
+        err = request_user_error(request, exc)
+        if err is not None:
+            return error_response(err)
         return await request_validation_exception_handler(request, exc)
 
     @app.exception_handler(pydantic.ValidationError)
@@ -114,6 +172,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException):
         if isinstance(exc.__cause__, OpenRLError):  # e.g. BodyTooLarge raised while FastAPI read the body
+            if request.url.path.startswith("/v1/"):
+                return with_openai_error(error_response(exc.__cause__), exc.__cause__)
             return error_response(exc.__cause__)
         if exc.status_code in (404, 405) and request.url.path.startswith("/api/v1/"):
             try:  # no route matched, so no router dependency ran: the key still comes first
@@ -125,5 +185,7 @@ def install(app: FastAPI) -> None:
             # route; a method the path lacks): the same JSON shape, naming what was wrong
             err = UserError(_HTTP_FIELDS[exc.status_code], str(exc.detail))
             err.status = exc.status_code
+            if request.url.path.startswith("/v1/"):  # the OpenAI-compatible endpoint's shape too
+                return with_openai_error(error_response(err), err)
             return error_response(err)
         return await http_exception_handler(request, exc)

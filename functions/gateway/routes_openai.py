@@ -10,9 +10,11 @@ template), checks and publishes one ``dev.openrl.sample.v1`` CloudEvent per prom
 ``SamplingClient.sample``), waits for the future and answers in OpenAI's shapes.
 
 Auth: the same API keys, as ``Authorization: Bearer <key>`` (what the ``openai`` client sends)
-or ``X-API-Key``. Errors: the JSON of docs/errors.md (``detail``, ``category``, ``field``) plus
-OpenAI's ``error`` object (``message``, ``type``, ``param`` = the field, ``code``), so both kinds
-of client read them.
+or ``X-API-Key``. Errors: OpenAI's status and ``error`` object (``message``, ``type``, ``param`` =
+the field, ``code``: ``model_not_found`` with a 404 for an unknown model, ``invalid_api_key``,
+``unknown_parameter``, ``unsupported_parameter``, ...; see
+:func:`functions.gateway.errors.openai_error`), plus the keys of docs/errors.md (``detail``,
+``category``, ``field``), so both kinds of client read them.
 
 Semantics (and where they differ from OpenAI's):
 
@@ -34,10 +36,11 @@ Semantics (and where they differ from OpenAI's):
   ``stream_options.include_usage`` adds the usage chunk). The sampler returns whole sequences,
   so the events come when the sequences are done: one content chunk per choice, then its
   finish chunk.
-* Refused with a 400 naming the field (never silently ignored): ``presence_penalty`` /
-  ``frequency_penalty`` other than 0, a non-empty ``logit_bias``, ``best_of`` other than
-  ``n``, ``suffix``, ``tools`` / ``functions`` / ``tool_choice``, ``response_format`` other than
-  text, message content parts other than text.
+* Refused with a 400 naming the field (never silently ignored; code ``unsupported_parameter``):
+  ``presence_penalty`` / ``frequency_penalty`` other than 0, a non-empty ``logit_bias``,
+  ``best_of`` other than ``n``, ``suffix``, ``tools`` / ``functions`` / ``tool_choice``,
+  ``response_format`` other than text, message content parts other than text; a key the request
+  does not have: 400, code ``unknown_parameter``, as OpenAI answers it.
 """
 
 from __future__ import annotations
@@ -49,18 +52,21 @@ import uuid
 from functools import lru_cache
 from typing import Annotated, Any, Literal
 
+import pydantic
 from fastapi import APIRouter, Depends, Request, Security
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import StreamingResponse
 from fastapi.routing import APIRoute
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import Field
 
+from functions.gateway import errors
 from functions.gateway.context import Gateway, require
 from functions.gateway.deps import GatewayDep
 from functions.gateway.sampling import SampleResult, SampleTarget, resolve_target, submit_sample, wait_sample
 from openrl.edge.auth import HEADER, AuthError, Caller
-from openrl.edge.wire import WireModel
-from openrl.errors import NotFound, UserError
+from openrl.edge.wire import WireModel, validation_error_to_user_error
+from openrl.errors import NotFound, NotSupported, UserError
 
 #: How long a request waits for its samples (seconds): a sampler scaling from zero on a GPU
 #: takes about two minutes (docs/benchmarks.md); the ``openai`` client's own timeout is 600 s.
@@ -80,7 +86,9 @@ def _handler_for(request: Request, exc: Exception):
 
 class OpenAIRoute(APIRoute):
     """Route class of the ``/v1`` routes: an error is answered by the app's handler (the JSON of
-    docs/errors.md), with OpenAI's ``error`` object added to the body."""
+    docs/errors.md), with OpenAI's ``error`` object added to the body
+    (:func:`functions.gateway.errors.openai_error`: ``type``, ``param``, ``code`` as OpenAI sets
+    them, e.g. 404 ``model_not_found`` for an unknown model)."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
@@ -92,22 +100,25 @@ class OpenAIRoute(APIRoute):
                 h = _handler_for(request, exc)
                 if h is None:
                     raise
-                resp = await h(request, exc)
-                try:
-                    body = json.loads(resp.body)
-                except (AttributeError, ValueError):
-                    return resp
-                if isinstance(body, dict):
-                    kind = ("authentication_error" if resp.status_code == 401 else "not_found_error"
-                            if resp.status_code == 404 else "rate_limit_error" if resp.status_code == 429
-                            else "server_error" if resp.status_code >= 500 else "invalid_request_error")
-                    body["error"] = {"message": body.get("detail", ""), "type": kind, "param": body.get("field"),
-                                     "code": None}
-                return JSONResponse(status_code=resp.status_code, content=body,
-                                    headers={k: v for k, v in resp.headers.items()
-                                             if k.lower() not in ("content-length", "content-type")})
+                src: BaseException | None = exc
+                if isinstance(exc, RequestValidationError):
+                    src = errors.request_user_error(request, exc)
+                elif isinstance(exc, pydantic.ValidationError):
+                    src = validation_error_to_user_error(exc)
+                return errors.with_openai_error(await h(request, exc), src)
 
         return route
+
+
+def unsupported_unless(cond: bool, field: str, what: str) -> None:
+    """Refuse an option this server does not implement: 400 naming ``field``, message
+    ``<field>: not supported by this server: <what>``, OpenAI code ``unsupported_parameter``.
+
+    Raises:
+        NotSupported: unless ``cond``.
+    """
+    if not cond:
+        raise NotSupported(field, what)
 
 
 _bearer = HTTPBearer(auto_error=False, description="A configured `tml-` API key as a bearer token")
@@ -171,8 +182,8 @@ class _SamplingFields(WireModel):
         """
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            require(v in (None, 0), name, "not supported by this server: only 0 (no penalty)")
-        require(not self.logit_bias, "logit_bias", "not supported by this server")
+            unsupported_unless(v in (None, 0), name, "only 0 (no penalty)")
+        unsupported_unless(not self.logit_bias, "logit_bias", "no logit biases")
         if isinstance(self.stop, list):
             require(all(s for s in self.stop), "stop", "stop strings must be non-empty")
 
@@ -247,10 +258,17 @@ async def _target(g: Gateway, caller: Caller, model: str) -> SampleTarget:
     """``model`` as a :class:`SampleTarget`: a ``tinker://`` snapshot or a base-model name.
 
     Raises:
-        UserError / NotFound: naming ``model``.
+        NotFound: naming ``model``: no such base model, or no snapshot at that path the caller may read.
+        UserError: naming ``model``: a malformed name or path.
     """
     if model.startswith("tinker://"):
         return await resolve_target(g, caller.owner, None, model, base_field="model", path_field="model")
+    from openrl.model.registry import PEFT_SUFFIX
+
+    if g.registry.get(model) is None and g.registry.get(model.rsplit(PEFT_SUFFIX, 1)[0]) is None:
+        # OpenAI answers an unknown model 404 (code model_not_found), which client libraries branch on
+        raise NotFound("model", f"the model {model!r} does not exist; GET /v1/models lists the models "
+                                f"(base models: {', '.join(g.registry.names())})")
     return await resolve_target(g, caller.owner, model, None, base_field="model", path_field="model")
 
 
@@ -373,8 +391,8 @@ async def get_model(model: str, g: GatewayDep, caller: OpenAICallerDep) -> dict:
 async def completions(req: CompletionRequest, g: GatewayDep, caller: OpenAICallerDep):
     """Text completion of one prompt or several (see the module doc)."""
     req.refuse_unsupported()
-    require(req.best_of in (None, req.n), "best_of", "not supported by this server: only best_of == n")
-    require(req.suffix is None, "suffix", "not supported by this server")
+    unsupported_unless(req.best_of in (None, req.n), "best_of", "only best_of == n")
+    unsupported_unless(req.suffix is None, "suffix", "no suffix (insertion)")
     require(req.max_tokens != 0 or req.echo, "max_tokens", "0 is allowed only with echo (scoring the prompt)")
     target = await _target(g, caller, req.model)
     tok = await tokenizer_of(g, target.base_model)
@@ -443,13 +461,13 @@ async def completions(req: CompletionRequest, g: GatewayDep, caller: OpenAICalle
 
 def _chat_text(m: ChatMessage, i: int) -> str:
     for name in ("refusal", "tool_calls", "function_call", "audio", "annotations", "tool_call_id"):
-        require(not getattr(m, name), f"messages[{i}].{name}", "not supported by this server (text messages only)")
+        unsupported_unless(not getattr(m, name), f"messages[{i}].{name}", "text messages only")
     if m.content is None or isinstance(m.content, str):
         return m.content or ""
     out = []
     for j, part in enumerate(m.content):
-        require(part.get("type") == "text" and isinstance(part.get("text"), str), f"messages[{i}].content[{j}]",
-                "only text parts are supported by this server")
+        unsupported_unless(part.get("type") == "text" and isinstance(part.get("text"), str),
+                           f"messages[{i}].content[{j}]", "only text parts")
         out.append(part["text"])
     return "".join(out)
 
@@ -459,10 +477,10 @@ async def chat_completions(req: ChatCompletionRequest, g: GatewayDep, caller: Op
     """Chat completion: the messages through the base model's chat template (see the module doc)."""
     req.refuse_unsupported()
     for name in ("tools", "functions"):
-        require(not getattr(req, name), name, "not supported by this server (no tool calling)")
-    require(req.tool_choice in (None, "none"), "tool_choice", "not supported by this server (no tool calling)")
-    require(req.response_format is None or req.response_format.get("type") == "text", "response_format",
-            "not supported by this server: only {\"type\": \"text\"}")
+        unsupported_unless(not getattr(req, name), name, "no tool calling")
+    unsupported_unless(req.tool_choice in (None, "none"), "tool_choice", "no tool calling")
+    unsupported_unless(req.response_format is None or req.response_format.get("type") == "text", "response_format",
+                       "only {\"type\": \"text\"}")
     require(req.top_logprobs is None or req.logprobs, "top_logprobs", "requires logprobs: true")
     target = await _target(g, caller, req.model)
     tok = await tokenizer_of(g, target.base_model)

@@ -124,25 +124,89 @@ def test_chat_completion_plain_and_streamed(oai, trained):
 
 
 def test_refusals_name_the_field(oai, stack):
-    with pytest.raises(openai.AuthenticationError):
+    """Every refusal in OpenAI's status and error object (the ``openai`` client's exception class,
+    ``.type``, ``.code``, ``.param``), which client libraries branch on."""
+    with pytest.raises(openai.AuthenticationError) as ei:
         openai.OpenAI(base_url=stack.base_url + "/v1", api_key="not-needed", max_retries=0).models.list()
-    cases = [
-        (dict(model="nope/no-such-model", prompt="hi"), openai.BadRequestError, "model"),
-        (dict(model="tinker://nope:train:0/sampler_weights/x", prompt="hi"), openai.NotFoundError, "model"),
-        (dict(model=BASE_MODEL, prompt="hi", presence_penalty=0.5), openai.BadRequestError, "presence_penalty"),
-        (dict(model=BASE_MODEL, prompt="hi", logprobs=50), openai.BadRequestError, "logprobs"),
-        (dict(model=BASE_MODEL, prompt="hi", max_tokens=10**6), openai.BadRequestError, "max_tokens"),
-        (dict(model=BASE_MODEL, prompt="hi", n=10**4), openai.BadRequestError, "n"),
+    assert (ei.value.type, ei.value.code, ei.value.param) == ("invalid_request_error", "invalid_api_key", "Authorization")
+    invalid, unsupported = "invalid_value", "unsupported_parameter"
+    cases = [  # (request, exception, param, code)
+        (dict(model="nope/no-such-model", prompt="hi"), openai.NotFoundError, "model", "model_not_found"),
+        (dict(model="tinker://nope:train:0/sampler_weights/x", prompt="hi"), openai.NotFoundError, "model",
+         "model_not_found"),
+        (dict(model=BASE_MODEL, prompt="hi", presence_penalty=0.5), openai.BadRequestError, "presence_penalty",
+         unsupported),
+        (dict(model=BASE_MODEL, prompt="hi", suffix="!"), openai.BadRequestError, "suffix", unsupported),
+        (dict(model=BASE_MODEL, prompt="hi", logprobs=50), openai.BadRequestError, "logprobs", invalid),
+        (dict(model=BASE_MODEL, prompt="hi", max_tokens=10**6), openai.BadRequestError, "max_tokens", invalid),
+        (dict(model=BASE_MODEL, prompt="hi", n=10**4), openai.BadRequestError, "n", invalid),
+        (dict(model=BASE_MODEL, prompt="hi", extra_body={"min_p": 0.1}), openai.BadRequestError, "min_p",
+         "unknown_parameter"),
     ]
-    for kw, exc, fld in cases:
+    for kw, exc, fld, code in cases:
         with pytest.raises(exc) as ei:
             oai.completions.create(**kw)
-        assert ei.value.body["param"] == fld and ei.value.body["message"], ei.value.body
+        e = ei.value
+        assert (e.param, e.code, e.type) == (fld, code, "invalid_request_error") and e.message, e.body
+        assert e.status_code == (404 if exc is openai.NotFoundError else 400)
+    with pytest.raises(openai.NotFoundError) as ei:
+        oai.models.retrieve("nope/no-such-model")
+    assert (ei.value.code, ei.value.param) == ("model_not_found", "model")
+    chat = dict(model=BASE_MODEL, messages=[{"role": "user", "content": "hi"}])
+    chat_cases = [
+        (dict(chat, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools", unsupported),
+        (dict(chat, response_format={"type": "json_object"}), "response_format", unsupported),
+        (dict(chat, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+         "messages[0].content[0]", unsupported),
+        (dict(chat, messages=[]), "messages", invalid),
+        (dict(chat, extra_body={"repetition_penalty": 1.1}), "repetition_penalty", "unknown_parameter"),
+    ]
+    for kw, fld, code in chat_cases:
+        with pytest.raises(openai.BadRequestError) as ei:
+            oai.chat.completions.create(**kw)
+        assert (ei.value.param, ei.value.code, ei.value.type) == (fld, code, "invalid_request_error"), ei.value.body
+    # a required parameter left out, and a path that does not exist, through the same client
     with pytest.raises(openai.BadRequestError) as ei:
-        oai.chat.completions.create(model=BASE_MODEL, messages=[{"role": "user", "content": "hi"}],
-                                    tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert ei.value.body["param"] == "tools"
-    # the docs/errors.md shape is there too
+        oai.post("/completions", body={"model": BASE_MODEL}, cast_to=object)
+    assert (ei.value.param, ei.value.code) == ("prompt", "missing_required_parameter")
+    with pytest.raises(openai.NotFoundError) as ei:
+        oai.post("/no-such-route", body={}, cast_to=object)
+    assert ei.value.type == "invalid_request_error" and ei.value.message
+    # the docs/errors.md keys are there too, next to OpenAI's error object
     r = httpx.post(stack.base_url + "/v1/completions", json={"model": BASE_MODEL},
                    headers={"Authorization": f"Bearer {oai.api_key}"})
-    assert r.status_code == 400 and r.json()["field"] == "prompt" and r.json()["category"] == "user"
+    body = r.json()
+    assert r.status_code == 400 and body["field"] == "prompt" and body["category"] == "user"
+    assert body["error"] == {"message": body["detail"], "type": "invalid_request_error", "param": "prompt",
+                             "code": "missing_required_parameter"}
+
+
+def test_an_assistant_message_sent_back_as_returned(oai, trained):
+    """A client that appends the API's own assistant message (its ``refusal``, ``tool_calls`` ...
+    keys null) to the conversation is answered; one with a tool call is refused naming it."""
+    _, path = trained
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    r = oai.chat.completions.create(model=path, messages=msgs, max_tokens=3, temperature=0)
+    back = r.choices[0].message.model_dump()  # role, content, refusal, annotations, audio, function_call, tool_calls
+    again = oai.chat.completions.create(model=path, messages=msgs + [back, {"role": "user", "content": "Sure?"}],
+                                        max_tokens=3, temperature=0)
+    assert again.choices[0].message.role == "assistant"
+    back["tool_calls"] = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    with pytest.raises(openai.BadRequestError) as ei:
+        oai.chat.completions.create(model=path, messages=msgs + [back], max_tokens=3)
+    assert (ei.value.param, ei.value.code) == ("messages[1].tool_calls", "unsupported_parameter")
+
+
+def test_openai_error_objects_of_the_statuses_not_provoked_above():
+    """429 (backpressure, a key's quota) and 5xx in OpenAI's types (no stack needed)."""
+    from functions.gateway.errors import openai_error
+    from functions.gateway.quotas import QuotaExceeded
+    from openrl.errors import Overloaded, ServerError
+
+    e = openai_error(429, {"detail": "full", "category": "server"}, Overloaded("full"))
+    assert (e["type"], e["code"], e["param"]) == ("requests", "rate_limit_exceeded", None)
+    q = QuotaExceeded("tokens_per_min", "over", retry_after=3)
+    e = openai_error(429, {"detail": q.message, "field": q.field}, q)
+    assert (e["type"], e["code"], e["param"]) == ("requests", "rate_limit_exceeded", "quota.tokens_per_min")
+    e = openai_error(500, {"detail": "boom", "category": "server"}, ServerError("boom"))
+    assert (e["type"], e["code"], e["message"]) == ("server_error", None, "boom")

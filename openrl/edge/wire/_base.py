@@ -165,6 +165,10 @@ def validation_error_to_user_error(
 ) -> UserError:
     """Turn a pydantic error into a :class:`UserError` naming the first failing field.
 
+    The error's ``kind`` attribute says what was wrong: ``"unknown"`` (a key the model does not
+    have), ``"missing"`` (a required key) or ``"invalid"`` (a value); the OpenAI-compatible routes
+    turn it into OpenAI's error ``code``.
+
     The field is a dotted path with list indices, e.g. ``sampling_params.temperature``
     or ``prompt.chunks[0].tokens[3]``; union-member tags pydantic inserts in its
     ``loc`` are dropped. An error raised as :class:`FieldError` in a model validator
@@ -184,7 +188,9 @@ def validation_error_to_user_error(
     loc = tuple(err.get("loc", ()))
     path, union_at, _ = _loc_to_path(model if model is not None else Any, loc)
     if err.get("type") == "extra_forbidden":
-        return UserError(path or "body", _unknown_field(model if model is not None else Any, loc))
+        out = UserError(path or "body", _unknown_field(model if model is not None else Any, loc))
+        out.kind = "unknown"
+        return out
     msg = err.get("msg", "invalid value")
     ctx = err.get("ctx") or {}
     cause = ctx.get("error")
@@ -205,9 +211,9 @@ def validation_error_to_user_error(
         msg = cause.message
     elif msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
-    if err.get("type") == "missing":
-        msg = "required"
-    return UserError(path or "body", msg)
+    out = UserError(path or "body", "required" if err.get("type") == "missing" else msg)
+    out.kind = "missing" if err.get("type") == "missing" else "invalid"
+    return out
 
 
 def _unknown_field(model: Any, loc: tuple[Any, ...]) -> str:
