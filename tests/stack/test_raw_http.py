@@ -8,7 +8,14 @@ Runs against the session's embedded ``stack`` (real gateway, NATS JetStream, tra
 
 from __future__ import annotations
 
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -236,3 +243,134 @@ def test_asample_without_seq_id_is_a_new_request_each_time(http, run):
     a, b = ok(http.post("/asample", json=req)), ok(http.post("/asample", json=req))
     assert a["request_id"] != b["request_id"] and all(r["request_id"].startswith(sid + ":") for r in (a, b))
     assert len(ok(result(http, b["request_id"]))["sequences"]) == 1
+
+
+# ------------------------------------ docs/compatibility.md "Raw HTTP": the curl examples
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
+
+
+def doc_block() -> str:
+    """The bash block of docs/compatibility.md's "## Raw HTTP" section."""
+    text = DOC.read_text()
+    section = text[text.index("\n## Raw HTTP\n"):]
+    return section[section.index("```bash\n") + len("```bash\n"):section.index("\n```\n")]
+
+
+def commands(block: str) -> list[str]:
+    """The block's commands: comment lines dropped, lines joined while a quote is open or a line
+    ends with a backslash (as bash reads them)."""
+    out, cur = [], ""
+    for line in block.splitlines():
+        if not cur and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        cur = cur + "\n" + line if cur else line
+        if cur.endswith("\\"):
+            cur = cur[:-1]
+            continue
+        try:
+            shlex.split(cur, comments=True)
+        except ValueError:  # an open quote: the command goes on
+            continue
+        out.append(cur)
+        cur = ""
+    assert not cur, f"unterminated command: {cur!r}"
+    return out
+
+
+def replay(block: str, env: dict[str, str], send) -> list[list[str]]:
+    """Run the block's commands: ``VAR=value`` (``URL`` and ``KEY`` come from ``env``),
+    ``VAR=$(curl ... | jq -r .field)`` and ``curl ...``, with ``$VAR`` expanded as bash expands
+    it in these commands; ``send(argv)`` performs one curl and returns its JSON answer. Returns
+    every curl's argv."""
+    env, argvs = dict(env), []
+    for cmd in commands(block):
+        m = re.fullmatch(r"(\w+)=(.*)", cmd, flags=re.S)
+        if m and m.group(1) in ("URL", "KEY"):  # where the server is: the test's own
+            continue
+        target, jq_path = None, None
+        if m:
+            target, inner = m.group(1), m.group(2)
+            sub = re.fullmatch(r"\$\((curl .*) \| jq -r \.([\w.]+)\)", inner.strip(), flags=re.S)
+            assert sub, f"unsupported command substitution: {inner!r}"
+            cmd, jq_path = sub.group(1), sub.group(2)
+        expanded = re.sub(r"\$(\w+)", lambda v: env[v.group(1)], cmd)
+        argv = shlex.split(expanded, comments=True)
+        assert argv[0] == "curl", argv
+        argvs.append(argv)
+        answer = send(argv)
+        if target is not None:
+            value = answer
+            for part in jq_path.split("."):
+                value = value[part]
+            env[target] = str(value)
+    return argvs
+
+
+def curl_to_httpx(argv: list[str]) -> tuple[str, str, dict, bytes | None]:
+    """(method, url, headers, body) of the curl flags the examples use: -s, -H, -d, -X."""
+    method, url, headers, body, i = None, None, {}, None, 1
+    while i < len(argv):
+        a = argv[i]
+        if a == "-s":
+            i += 1
+        elif a in ("-H", "-d", "-X"):
+            v = argv[i + 1]
+            if a == "-H":
+                k, _, hv = v.partition(":")
+                headers[k.strip()] = hv.strip()
+            elif a == "-d":
+                body = v.encode()
+            else:
+                method = v
+            i += 2
+        else:
+            assert url is None and a.startswith("http"), f"unexpected curl argument {a!r}"
+            url, i = a, i + 1
+    return method or ("POST" if body is not None else "GET"), url, headers, body
+
+
+def test_compatibility_md_curl_examples_run(stack, api_key):
+    block = doc_block()
+    families = {"create_session", "create_model", "forward_backward", "retrieve_future", "asample",
+                "save_weights", "save_weights_for_sampler", "optim_step"}
+    answers: dict[str, list[dict]] = {}
+
+    def send(argv):
+        method, url, headers, body = curl_to_httpx(argv)
+        route = url.rsplit("/api/v1/", 1)[1]
+        deadline = time.monotonic() + 180
+        while True:
+            r = httpx.request(method, url, headers=headers, content=body, timeout=60)
+            assert r.status_code == 200 and r.headers["content-type"].startswith("application/json"), \
+                (route, r.status_code, r.text)
+            out = r.json()
+            if route != "retrieve_future" or out.get("type") != "try_again":
+                break
+            assert time.monotonic() < deadline, argv  # as the doc says: repeat on try_again
+        assert "error" not in out, (route, out)
+        answers.setdefault(route, []).append(out)
+        return out
+
+    argvs = replay(block, {"URL": stack.base_url, "KEY": api_key}, send)
+    assert families <= set(answers), sorted(answers)
+    fb, save, sample = answers["retrieve_future"]
+    assert fb["metrics"]["loss:sum"] > 0 and fb["loss_fn_outputs"][0]["logprobs"]["shape"] == [5]
+    assert save["path"].endswith("/sampler_weights/step-1")
+    assert len(sample["sequences"]) == 2 and all(0 < len(s["tokens"]) <= 8 for s in sample["sequences"])
+    # bash reads the block as this test does: the same argv for every curl (curl and jq stubbed)
+    if shutil.which("bash") is None:
+        pytest.skip("no bash to compare the parse with")
+    stub = ('curl() { printf "%s\\037" "$@" >> "$ARGV_LOG"; printf "\\036" >> "$ARGV_LOG"; '
+            "echo '{\"session_id\": \"S\", \"model_id\": \"M\", \"request_id\": \"R\"}'; }\n"
+            "jq() { python3 -c 'import json,sys; print(json.load(sys.stdin)[sys.argv[1][1:]])' \"$2\"; }\n")
+    lines = [ln for ln in block.splitlines() if not re.match(r"(URL|KEY)=", ln)]
+    with tempfile.NamedTemporaryFile("r") as log:
+        r = subprocess.run(["bash", "-euo", "pipefail", "-c", stub + "\n".join(lines)], capture_output=True, text=True,
+                           env={**os.environ, "URL": "http://h", "KEY": "k", "ARGV_LOG": log.name}, timeout=60)
+        assert r.returncode == 0, r.stderr
+        by_bash = [rec.split("\x1f")[:-1] for rec in log.read().split("\x1e")[:-1]]
+    canned = {"session_id": "S", "model_id": "M", "request_id": "R"}
+    by_test = replay(block, {"URL": "http://h", "KEY": "k"}, lambda argv: canned)
+    assert [a[1:] for a in by_test] == by_bash
+    assert len(argvs) == len(by_bash)
