@@ -46,6 +46,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, Request
 
+from functions.gateway.context import require
 from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, WireRoute
 from functions.gateway.routes_download import _public_base, _secret, sign, url_ttl_s
 from functions.gateway.runs import add_to_session, model_id_for
@@ -251,6 +252,10 @@ async def search_checkpoints(req: wire.CheckpointSearchRequest, g: GatewayDep, c
         raise NotSupported("owner", "searching other owners' checkpoints needs an admin key")
     who = caller.owner if own == "own" else None
     runs = await g.runs(who)
+    if own == "user":  # {"type": "user", "owner_urns": [...]}: those owners' checkpoints
+        urns = set(req.owner.owner_urns or [])
+        require(bool(urns), "owner.owner_urns", "required with owner type 'user'")
+        runs = [r for r in runs if r.owner in urns]
     if req.base_models is not None:
         runs = [r for r in runs if r.base_model in set(req.base_models)]
     if req.project_ids is not None:

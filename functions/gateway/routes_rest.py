@@ -15,7 +15,7 @@ import time
 
 from fastapi import APIRouter, Request
 
-from functions.gateway.context import Gateway
+from functions.gateway.context import Gateway, require
 from functions.gateway.deps import API_PREFIX, CallerDep, GatewayDep, OwnedRunDep, ScopeDep, WireRoute
 from functions.gateway.runs import readable_manifest
 from openrl.contract.records import CheckpointManifest, LoraConfig, Session, TrainingRun
@@ -302,7 +302,9 @@ def _session_status(rec: Session) -> dict:
 async def search_sessions(g: GatewayDep, caller: CallerDep, req: wire.SessionSearchRequest | None = None) -> dict:
     """``RestClient.search_sessions`` (experimental in the SDK): the caller's sessions, newest
     first, filtered by ``session_id`` / ``display_name`` (either matches), ``project_ids``,
-    ``user_metadata`` (every pair) and ``statuses``; ``limit`` + ``cursor`` paging.
+    ``user_metadata`` (every pair) and ``statuses`` (``client_finished`` with ``reasons``: those
+    finish reasons); ``owner`` ``user`` + ``owner_urns`` (admin): those owners' sessions;
+    ``limit`` + ``cursor`` paging.
 
     Raises:
         NotSupported: ``owner`` other than ``{"type": "own"}`` for a non-admin key.
@@ -315,6 +317,10 @@ async def search_sessions(g: GatewayDep, caller: CallerDep, req: wire.SessionSea
     if own != "own" and not caller.admin:
         raise NotSupported("owner", "searching other owners' sessions needs an admin key")
     recs = await g.sessions(who if own == "own" else None)
+    urns = (body.get("owner") or {}).get("owner_urns")
+    if own == "user":  # {"type": "user", "owner_urns": [...]}: those owners' sessions
+        require(bool(urns), "owner.owner_urns", "required with owner type 'user'")
+        recs = [r for r in recs if r.owner in set(urns)]
     sid, name = body.get("session_id"), body.get("display_name")
     if sid is not None or name:
         words = (name or "").lower().split()
@@ -325,8 +331,11 @@ async def search_sessions(g: GatewayDep, caller: CallerDep, req: wire.SessionSea
     for k, v in (str_metadata(body.get("user_metadata")) or {}).items():
         recs = [r for r in recs if (str_metadata(r.user_metadata) or {}).get(k) == v]
     if body.get("statuses"):
-        kinds = {q.get("type") for q in body["statuses"]}
-        recs = [r for r in recs if _session_status(r)["type"] in kinds]
+        def matches(status: dict, q: dict) -> bool:  # client_finished may name the finish reasons
+            return status["type"] == q.get("type") and (
+                q.get("reasons") is None or status.get("reason", {}).get("type") in q["reasons"])
+
+        recs = [r for r in recs if any(matches(_session_status(r), q) for q in body["statuses"])]
     recs.sort(key=lambda r: (r.created, r.session_id), reverse=True)
     cur = body.get("cursor")
     if cur:

@@ -374,3 +374,19 @@ def test_compatibility_md_curl_examples_run(stack, api_key):
     by_test = replay(block, {"URL": "http://h", "KEY": "k"}, lambda argv: canned)
     assert [a[1:] for a in by_test] == by_bash
     assert len(argvs) == len(by_bash)
+
+
+def test_session_search_reasons_filter(http):
+    """``statuses: [{"type": "client_finished", "reasons": [...]}]`` filters by the finish reason
+    (the key was dropped before unknown keys were refused)."""
+    sid = ok(http.post("/create_session", json={"display_name": "reasons-filter"}))["session_id"]
+    assert http.post(f"/sessions/{sid}/finish", json={"reason": {"type": "errored"}}).status_code == 200
+
+    def found(reasons):
+        q = {"type": "client_finished", **({"reasons": reasons} if reasons else {})}
+        out = ok(http.post("/sessions/search", json={"session_id": sid, "statuses": [q]}))
+        return [s["session_id"] for s in out["sessions"]]
+
+    assert found(None) == [sid] and found(["errored", "interrupted"]) == [sid] and found(["success"]) == []
+    r = http.post("/sessions/search", json={"owner": {"type": "own", "owner_urns": ["x"]}, "colour": 1})
+    assert r.status_code == 400 and r.json()["field"] == "colour"

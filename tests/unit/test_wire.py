@@ -192,6 +192,18 @@ def test_rest_bodies():
     assert r.source_path == "tinker://a/weights/b"
 
 
+def test_session_search_bodies():
+    # every key the SDK's SessionSearchRequest can carry, nested unions included (refused before
+    # unknown keys were: statuses[i].reasons, owner.owner_urns)
+    body = sdk_body(T.SessionSearchRequest(session_id="s", display_name="run", project_ids=["p"],
+                                           user_metadata={"k": "v"}, limit=5,
+                                           owner=T.UserSearchOwner(owner_urns=["o1"]),
+                                           statuses=[T.ActiveSessionStatusQuery(),
+                                                     T.ClientFinishedSessionStatusQuery(reasons=["success"])]))
+    r = W.parse_request(W.SessionSearchRequest, body)
+    assert r.owner.owner_urns == ["o1"] and r.statuses[1].reasons == ["success"]
+
+
 # ------------------------------------------------------------------- leniency and errors
 
 

@@ -22,7 +22,7 @@ __all__ = [
     "SaveWeightsForSamplerRequest", "SaveWeightsExternalRequest", "LoadWeightsRequest",
     "UnloadModelRequest", "CreateSamplingSessionRequest", "SamplingParams", "SampleRequest",
     "WeightsInfoRequest", "TtlRequest", "CopyWeightsRequest", "SetSessionProjectRequest",
-    "SessionSearchRequest", "ExternalWeightsUploadStartRequest", "ExternalWeightsUploadFinishRequest",
+    "SessionSearchRequest", "SearchOwner", "SessionStatusQuery", "ExternalWeightsUploadStartRequest", "ExternalWeightsUploadFinishRequest",
     "CheckpointSearchCursor", "CheckpointSearchRequest",
 ]
 
@@ -466,10 +466,21 @@ class SetSessionProjectRequest(WireModel):
     project_id: str
 
 
-class _TypeTag(WireModel):
-    """``{"type": ...}`` of a session search's ``owner`` and ``statuses`` entries."""
+class SearchOwner(WireModel):
+    """A search's ``owner`` (the SDK's ``SearchOwner``): ``{"type": "own"}``, ``{"type":
+    "accessible"}``, or ``{"type": "user", "owner_urns": [...]}`` (owner ids, as the search's
+    answers name owners; at most 10)."""
 
     type: str
+    owner_urns: Annotated[list[str], Field(min_length=1, max_length=10)] | None = None
+
+
+class SessionStatusQuery(WireModel):
+    """A session search's ``statuses`` entry (the SDK's ``SessionStatusQuery``): ``{"type"}``, and
+    for ``client_finished`` optionally ``reasons`` (the finish reasons to match)."""
+
+    type: str
+    reasons: Annotated[list[Literal["success", "errored", "interrupted"]], Field(min_length=1)] | None = None
 
 
 class SessionSearchCursor(WireModel):
@@ -487,8 +498,8 @@ class SessionSearchRequest(WireModel):
     display_name: str | None = None
     project_ids: list[str] | None = None
     user_metadata: dict[str, Any] | None = None
-    statuses: list[_TypeTag] | None = None
-    owner: _TypeTag | None = None
+    statuses: list[SessionStatusQuery] | None = None
+    owner: SearchOwner | None = None
     cursor: SessionSearchCursor | None = None
     limit: int | None = None
 
@@ -523,7 +534,7 @@ class CheckpointSearchRequest(WireModel):
     project_ids: list[str] | None = None
     user_metadata: dict[str, str] | None = None
     checkpoint_type: Literal["training", "sampler", "external"] | None = None
-    owner: _TypeTag | None = None
+    owner: SearchOwner | None = None
     base_models: list[str] | None = None
     limit: int = Field(default=50, ge=1, le=200)
     cursor: CheckpointSearchCursor | None = None
