@@ -380,7 +380,9 @@ async def get_model(model: str, g: GatewayDep, caller: OpenAICallerDep) -> dict:
         model = "tinker://" + model[len("tinker:/"):]  # a proxy may merge the "//" of the path
     try:
         t = await _target(g, caller, model)
-    except UserError as exc:
+    except NotFound:
+        raise
+    except UserError as exc:  # a malformed name or path: no such model either
         raise NotFound("model", f"no model {model!r}: {exc.message}") from None
     return {"id": model, "object": "model", "created": int(time.time()),
             "owned_by": caller.owner if t.model_path else "openrl", "root": t.base_model,
