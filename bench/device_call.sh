@@ -30,6 +30,7 @@ STEPS=(
   "conform-C|.whl/k3|bench/conform_call.sh C|conformance 3/4: completes vLLM, restarts openrl serve on a new state dir (vLLM sampler, the keyed tests' environment), the parity test and the core files of tests/stack; out: C/, logsC.tgz"
   "conform-D|-|bench/conform_call.sh D|conformance 4/4: the rest of tests/stack (the service's edges, the mix on vLLM) against the same stack, then stops it; MIX_D; out: D/, logsD.tgz"
   "stack-after-conform|-||after conform-C (vLLM complete, the stack's wheels and the model in place): stops conform-C's serve, then stack_h200.py with vLLM sharing conform-C's vLLM compile cache; ARGS (default --sections rl,sample --rl-runs 1,8 --shapes fixed,varied --warmup 1 --breakdown --no-direct); HANDOFF_AB=1: the RL rows with the snapshot handoff on, then off (OPENRL_HANDOFF_DIR=off), same job; out: stack.jsonl, stack.md [handoff-on/, handoff-off/], logsS.tgz"
+  "stack-lora-probe|-||after conform-C (vLLM complete, the model in place; after stack-after-conform, whose stack is then stopped): bench/vllm_lora_load.py, where vLLM's adapter load goes (fp32 vs bf16 file, split into read, cast + pin, merge, activate) and the trainer-side export costs; PROBE_ARGS; out: lora_load.jsonl, logsP.tgz"
   "conform-R|.gpu|bench/conform_call.sh R|one call on a fresh machine, no vLLM: conform-A's set-up, then RFILES (filtered by RK) against a transformers-sampler stack; out: R/, logsR.tgz"
 )
 
@@ -299,6 +300,25 @@ step_stack_after_conform() {
   fi
   grep -h -v -E "^\s+(File|\^)" "$L"/stack*.log | grep -i -E -B2 -A8 "Traceback|Error" | head -30
   pack_logs logsS "$L"; el "done"
+}
+
+# stack-lora-probe: after conform-C (or stack-after-conform) on the same machine: bench/vllm_lora_load.py with
+# vLLM in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), the model of conform-A; a serve still running there is
+# left alone (PROBE_ARGS default --gpu-memory 0.3 fits beside conform-C's stack).
+# Results: lora_load.jsonl, logsP.tgz.
+step_stack_lora_probe() {
+  [ "$DRY" = 1 ] || [ -x "$STK/bin/nats-server" ] || { echo "NOT WARM: run conform-A, -B, -C first"; exit 3; }
+  L=$WORK/logsP; rm -rf "$L"; mkdir -p "$L"
+  el start
+  stack_path vllm; [ "$DRY" = 1 ] && stack_path
+  nvidia-smi --query-gpu=name,memory.used --format=csv 2>/dev/null
+  local extra=(); [ "$DRY" = 1 ] && { extra=(--no-vllm); MODEL_ARGS=(--model-dir "${OPENRL_HOME:-$HOME/.openrl}/models/tiny-qwen3"); }
+  # shellcheck disable=SC2086
+  timeout -k 15 $(( $(left) - 20 )) "$PY" bench/vllm_lora_load.py "${MODEL_ARGS[@]}" --out "$O" ${PROBE_ARGS:---gpu-memory 0.3} \
+    "${extra[@]}" > "$L/probe.log" 2>&1; el "probe rc=$?"
+  grep '^{' "$L/probe.log" | cut -c1-700
+  grep -v -E "^\s+(File|\^)" "$L/probe.log" | grep -i -E -B2 -A8 "Traceback|Error" | head -30
+  pack_logs logsP "$L"; el "done"
 }
 
 # ---- the GPU conformance chain (issue 22, docs/gpu-conformance.md) -----------------------------------------
