@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -228,3 +229,108 @@ def test_vllm_backend_engine(tmp_path):  # pragma: no cover - GPU only
 
     r = asyncio.run(go())
     assert len(r.sequences[0].tokens) == 5
+
+
+def test_serving_copy_holds_vllms_own_cast(exported, tmp_path):
+    """The bf16 copy the sampler hands vLLM (issue 31) holds exactly what vLLM's own load
+    makes of the float32 file (``tensor.to(dtype)`` on the CPU in
+    ``vllm/lora/lora_model.py`` ``LoRAModel.from_lora_tensors``), every tensor and the
+    config; a file already in the dtype needs no copy."""
+    from functions.sampler.backends.vllm_convert import serving_copy
+
+    src = exported / "full"
+    out = serving_copy(src, tmp_path / "c", torch.bfloat16)
+    assert out == tmp_path / "c"
+    a, b = load_file(str(src / "adapter_model.safetensors")), load_file(str(out / "adapter_model.safetensors"))
+    assert sorted(a) == sorted(b) and all(t.dtype == torch.float32 for t in a.values())
+    for k in a:
+        assert b[k].dtype == torch.bfloat16 and torch.equal(b[k], a[k].to(torch.bfloat16)), k
+    assert (out / "adapter_config.json").read_bytes() == (src / "adapter_config.json").read_bytes()
+    assert prepare_adapter(out) == prepare_adapter(src)
+    assert serving_copy(out, tmp_path / "again", torch.bfloat16) is None and not (tmp_path / "again").exists()
+
+
+class _RecordingEngine:
+    """Stands in for vLLM's ``AsyncLLM`` (vLLM needs a CUDA GPU, which CI has not): records
+    ``add_lora`` / ``remove_lora`` and reports a resolved ``lora_config.lora_dtype``."""
+
+    def __init__(self, lora_dtype, fail: bool = False):
+        self.vllm_config = SimpleNamespace(lora_config=SimpleNamespace(lora_dtype=lora_dtype))
+        self.added, self.removed, self.fail = [], [], fail
+
+    async def add_lora(self, req):
+        if self.fail:
+            raise RuntimeError("no slot")
+        self.added.append(req)
+        return True
+
+    async def remove_lora(self, lid):
+        self.removed.append(lid)
+
+
+def _backend_without_vllm(engine, tmp_path, monkeypatch, lora_copy=True):
+    """A ``VLLMBackend`` around ``engine`` with vLLM's ``LoRARequest`` replaced by a plain
+    record (vLLM is not installed in CI); everything else is the backend's own code."""
+    import sys
+    import types as pytypes
+
+    from functions.sampler.backends import vllm as vb
+
+    req_mod = pytypes.ModuleType("vllm.lora.request")
+    req_mod.LoRARequest = lambda **kw: SimpleNamespace(**kw)
+    for name in ("vllm", "vllm.lora"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or pytypes.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", req_mod)
+    b = object.__new__(vb.VLLMBackend)
+    b.engine, b.max_lora_rank, b.unembed_lora, b.unembed_check = engine, 32, "fallback", "off"
+    b._unembed_keys, b._ids, b._requests, b._next_id, b._closed = set(), {}, {}, 1, False
+    b.lora_copy, b._copies, b.copy_dir = lora_copy, {}, tmp_path / "copies"
+    return b
+
+
+def test_vllm_backend_loads_the_bf16_copy_and_removes_it(exported, tmp_path, monkeypatch):
+    """load_adapter hands vLLM the serving copy (not the trainer's float32 file), unload and a
+    failed add_lora remove it; off (``OPENRL_VLLM_LORA_COPY=0``) or an engine whose LoRA dtype
+    is float32, vLLM gets the file as it is."""
+    import asyncio
+
+    async def go():
+        eng = _RecordingEngine(torch.bfloat16)
+        b = _backend_without_vllm(eng, tmp_path, monkeypatch)
+        await b.load_adapter("k1", exported / "body")
+        path = Path(eng.added[0].lora_path)
+        assert path.parent == b.copy_dir and b._copies == {"k1": path}
+        assert {t.dtype for t in load_file(str(path / "adapter_model.safetensors")).values()} == {torch.bfloat16}
+        await b.unload_adapter("k1")
+        assert eng.removed == [1] and not path.exists() and b._copies == {}
+
+        bad = _backend_without_vllm(_RecordingEngine(torch.bfloat16, fail=True), tmp_path, monkeypatch)
+        with pytest.raises(UserError):
+            await bad.load_adapter("k2", exported / "body")
+        assert bad._copies == {} and list(bad.copy_dir.iterdir()) == []
+
+        for eng2, copy in ((_RecordingEngine(torch.bfloat16), False), (_RecordingEngine(torch.float32), True)):
+            b2 = _backend_without_vllm(eng2, tmp_path, monkeypatch, lora_copy=copy)
+            await b2.load_adapter("k3", exported / "body")
+            assert Path(eng2.added[0].lora_path) == exported / "body" and b2._copies == {}
+
+    asyncio.run(go())
+
+
+def test_stale_serving_copies_of_dead_samplers_are_removed(tmp_path):
+    """A sampler killed before ``close`` leaves its copies behind (on /dev/shm: host memory);
+    the next sampler removes those of dead processes and keeps live ones'."""
+    import os
+    import subprocess
+    import sys
+
+    from functions.sampler.backends.vllm import COPIES_PREFIX, remove_stale_copies
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()  # a pid that no process has now
+    dead, live = tmp_path / f"{COPIES_PREFIX}{p.pid}-x", tmp_path / f"{COPIES_PREFIX}{os.getpid()}-y"
+    other = tmp_path / f"{COPIES_PREFIX}notapid-z"
+    for d in (dead, live, other):
+        (d / "a").mkdir(parents=True)
+    assert remove_stale_copies(tmp_path) == [dead]
+    assert not dead.exists() and live.exists() and other.exists()
