@@ -131,6 +131,7 @@ mib() { du -sb "$@" 2>/dev/null | awk '{s+=$1} END {printf "%.2f", s/1048576}'; 
 printf "checkout %.2f MiB\n" "$(echo "$co/1048576" | bc -l)"
 for c in "1 .gpu .whl/s1" "2 .whl/s2" "3 .whl/s3" "4 .whl/s4"; do
   set -- $c; n=$1; shift
+  [ -e "$1" ] || continue   # (SKIP_S4=1: no .whl/s4)
   p=$(mib "$@"); t=$(echo "$p + $co/1048576" | bc -l)
   printf "call %s: carry %-22s %6.2f MiB, with the checkout %6.2f MiB %s\n" "$n" "$*" "$p" "$t" \
     "$( (( $(echo "$t > 64" | bc) )) && echo 'OVER 64 MiB' || echo ok)"
