@@ -126,8 +126,10 @@ class Timers:
         return dict(self.s), dict(self.n)
 
 
-def vllm_side(model_dir: Path, dirs: dict[str, Path], rank: int, n: int, gpu_mem: float) -> None:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+def vllm_side(model_dir: Path, dirs: dict[str, Path], rank: int, n: int, gpu_mem: float, mp: bool = False) -> None:
+    """``mp``: the engine core in its own process, as the product runs it (vLLM's default): then
+    only ``total`` is measured (the wrappers here do not see the engine core's process)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mp else "0"
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -169,7 +171,7 @@ def vllm_side(model_dir: Path, dirs: dict[str, Path], rank: int, n: int, gpu_mem
                 eng.remove_lora(live.pop(0))
         med = {k: round(statistics.median(r[k] for r in rows), 4) for k in ("total", "read", "tensors", "merge",
                                                                             "activate", "pin", "other")}
-        emit(what="vllm_add_lora", variant=variant, n=n, median_s=med, first_s=round(rows[0]["total"], 4),
+        emit(what="vllm_add_lora", engine_core="own process" if mp else "in process", variant=variant, n=n, median_s=med, first_s=round(rows[0]["total"], 4),
              pins_per_load=rows[-1]["pins"], all=[round(r["total"], 4) for r in rows])
         sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         req = LoRARequest(lora_name=f"{variant}-{live[-1]}", lora_int_id=live[-1], lora_path=str(dirs[variant]))
@@ -187,6 +189,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="trainer-side repeats")
     ap.add_argument("--gpu-memory", type=float, default=0.5)
     ap.add_argument("--no-vllm", action="store_true", help="only the trainer-side part (CPU dry run)")
+    ap.add_argument("--multiprocessing", action="store_true",
+                    help="vLLM's engine core in its own process (the product's way; only totals are split-free)")
     a = ap.parse_args()
     import torch
 
@@ -195,7 +199,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="openrl-lora-load-", dir=shm) as tmp:
         dirs = trainer_side(Path(a.model_dir), Path(tmp), a.rank, a.reps, device)
         if not a.no_vllm:
-            vllm_side(Path(a.model_dir), dirs, a.rank, a.n, a.gpu_memory)
+            vllm_side(Path(a.model_dir), dirs, a.rank, a.n, a.gpu_memory, a.multiprocessing)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "lora_load.jsonl").write_text("\n".join(_OUT) + "\n")
