@@ -123,11 +123,6 @@ class Settings(BaseSettings):
     vllm_max_loras: int | None = Field(None, ge=1, description="vLLM max_loras")
     vllm_max_lora_rank: int | None = Field(None, ge=1, description="vLLM max_lora_rank")
     vllm_unembed_lora: str | None = Field(None, description="keep (vLLM applies the lm_head LoRA, checked on first use) or fallback (such adapters are sampled with transformers); functions/sampler/backends/vllm.py")
-    vllm_lora_copy: bool = Field(
-        True, description="hand vLLM each adapter cast to its LoRA dtype (bf16), written by the sampler's own thread "
-                          "on /dev/shm (or the temp dir), so vLLM's engine core reads half the bytes and casts nothing "
-                          "while the other runs' decoding waits; false: vLLM reads the trainer's float32 file "
-                          "(functions/sampler/backends/vllm_convert.py serving_copy)")
 
     # ----- transport --------------------------------------------------------------------
     ack_wait_s: float = Field(30.0, gt=0, description="JetStream ack wait of the work consumers")

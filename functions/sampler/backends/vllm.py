@@ -58,7 +58,6 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import tempfile
 import uuid
 from pathlib import Path
@@ -75,7 +74,6 @@ from functions.sampler.backends.vllm_convert import (
     route_reason,
     sampling_kwargs,
     sequence_from_output,
-    serving_copy,
     unsupported_field,
 )
 from functions.sampler.backends.unembed_check import check_unembed
@@ -98,29 +96,6 @@ log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------- backend
-
-
-#: name prefix of a sampler's serving-copy directory: ``<prefix><pid>-<random>``
-COPIES_PREFIX = "openrl-vllm-lora-copies-"
-
-
-def remove_stale_copies(root: Path) -> list[Path]:
-    """Remove the serving-copy directories under ``root`` whose sampler process is gone
-    (killed before its ``close``: on ``/dev/shm`` they would hold host memory until a
-    reboot). Returns what was removed."""
-    gone = []
-    for d in Path(root).glob(f"{COPIES_PREFIX}*-*"):
-        try:
-            pid = int(d.name[len(COPIES_PREFIX):].split("-", 1)[0])
-            os.kill(pid, 0)
-        except ValueError:
-            continue
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-            gone.append(d)
-        except PermissionError:  # another user's live process
-            continue
-    return gone
 
 
 class VLLMBackend:
@@ -153,8 +128,6 @@ class VLLMBackend:
             CUDA-graph capture sizes default to :func:`capture_sizes` of ``max_num_seqs``.
         cache_dir: where the unembedding check writes its probe adapter (default: a
             temporary directory).
-        lora_copy: hand vLLM each adapter cast to its LoRA dtype (:func:`serving_copy`, on
-            ``/dev/shm`` when there is one); env ``OPENRL_VLLM_LORA_COPY``, default on.
 
     vLLM's compile cache goes to ``$OPENRL_HOME/cache/vllm`` unless ``VLLM_CACHE_ROOT`` is
     set (:func:`configure_vllm_env`).
@@ -176,7 +149,6 @@ class VLLMBackend:
         enforce_eager: bool = False,
         engine_kwargs: Mapping[str, Any] | None = None,
         cache_dir: Path | None = None,
-        lora_copy: bool | None = None,
     ):
         configure_vllm_env()  # before the first vLLM import: the compile cache in the state dir
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -232,14 +204,6 @@ class VLLMBackend:
         self._requests: dict[str, Any] = {}  # key -> LoRARequest
         self._next_id = 1
         self._closed = False
-        self.lora_copy = Settings().vllm_lora_copy if lora_copy is None else bool(lora_copy)
-        self._copies: dict[str, Path] = {}  # key -> its serving copy (see _serving_path)
-        shm = Path("/dev/shm")
-        root = shm if shm.is_dir() and os.access(shm, os.W_OK) else self.cache_dir
-        remove_stale_copies(root)
-        self._copy_tmp = tempfile.TemporaryDirectory(prefix=f"{COPIES_PREFIX}{os.getpid()}-", dir=str(root))
-        #: where the adapters' serving copies go: a tmpfs when the machine has one
-        self.copy_dir = Path(self._copy_tmp.name)
 
     # ------------------------------------------------------------------ adapters
 
@@ -253,50 +217,11 @@ class VLLMBackend:
         if key in self._ids:
             return
         info = await asyncio.to_thread(prepare_adapter, Path(directory), max_rank=self.max_lora_rank)
-        path = await self._serving_path(key, Path(directory))
-        try:
-            await self._register(key, path)
-        except BaseException:
-            self._drop_copy(key)
-            raise
+        await self._register(key, Path(directory))
         if info["unembed"]:
             self._unembed_keys.add(key)
             if self.unembed_lora == "keep" and self.unembed_check == "not run":
                 await self._check_unembed(key, Path(directory))
-
-    async def _serving_path(self, key: str, directory: Path) -> Path:
-        """The directory vLLM loads ``key`` from: a copy cast to vLLM's LoRA dtype
-        (:func:`serving_copy`, in a worker thread, under :attr:`copy_dir`) when
-        ``lora_copy`` is on and the adapter is not in that dtype yet, else ``directory``.
-        A copy that cannot be written (no room) is logged and vLLM reads ``directory``:
-        the same numbers, only its load is slower."""
-        dtype = self._lora_dtype()
-        if not self.lora_copy or dtype is None:
-            return directory
-        dst = self.copy_dir / f"{self._next_id}-{uuid.uuid4().hex[:8]}"
-        try:
-            out = await asyncio.to_thread(serving_copy, directory, dst, dtype)
-        except OSError as e:
-            await asyncio.to_thread(shutil.rmtree, dst, True)
-            log.warning("no %s copy of adapter %s (%s); vLLM casts the file itself", dtype, key, e)
-            return directory
-        if out is None:
-            return directory
-        self._copies[key] = out
-        return out
-
-    def _lora_dtype(self) -> Any:
-        """vLLM's resolved ``lora_config.lora_dtype`` (the model's dtype unless set), or None."""
-        try:
-            dtype = self.engine.vllm_config.lora_config.lora_dtype
-        except AttributeError:
-            return None
-        return dtype if isinstance(dtype, torch.dtype) else None
-
-    def _drop_copy(self, key: str) -> None:
-        path = self._copies.pop(key, None)
-        if path is not None:
-            shutil.rmtree(path, ignore_errors=True)
 
     async def _register(self, key: str, path: Path) -> None:
         from vllm.lora.request import LoRARequest
@@ -362,7 +287,6 @@ class VLLMBackend:
                 await self.engine.remove_lora(lid)
             except Exception:  # already evicted from vLLM's caches
                 log.debug("remove_lora(%s) failed", lid, exc_info=True)
-        self._drop_copy(key)
 
     # ------------------------------------------------------------------ sampling
 
@@ -434,8 +358,6 @@ class VLLMBackend:
         try:
             self.engine.shutdown()
         finally:
-            self._copies.clear()
-            self._copy_tmp.cleanup()
             if self._tmp is not None:
                 self._tmp.cleanup()
 
@@ -456,5 +378,4 @@ __all__ = [
     "prompt_fields",
     "sampling_kwargs",
     "sequence_from_output",
-    "serving_copy",
 ]

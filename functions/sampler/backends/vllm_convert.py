@@ -69,48 +69,6 @@ def prepare_adapter(src: Path, *, max_rank: int | None = None) -> dict:
     return {"rank": rank, "alpha": cfg.get("lora_alpha"), "targets": sorted(targets), "unembed": unembed}
 
 
-def serving_copy(src: Path, dst: Path, dtype: Any) -> Path | None:
-    """Write ``src``'s adapter to ``dst`` with every tensor cast to ``dtype`` (vLLM's
-    ``lora_dtype``: the model's dtype, bf16 on the GPU), or return None when every tensor
-    already has it.
-
-    Why (issue 31): vLLM's engine core loads an adapter synchronously between decode steps
-    (``LoRAModel.from_local_checkpoint``: read, ``tensor.to(dtype)``, ``pin_memory`` per tensor),
-    so the trainer's float32 file (Qwen3-4B shapes, rank 32: 264 MB) costs it twice the bytes
-    and a cast while every other run's decoding waits. Cast here, in the sampler's own thread,
-    vLLM reads half the bytes and its own cast is a no-op. The numbers are the same: vLLM casts
-    with the same ``Tensor.to`` on the CPU (round to nearest even), so its slots hold the same
-    bits either way. The durable snapshot stays float32; this copy lives as long as the adapter
-    is loaded (:meth:`VLLMBackend.unload_adapter` removes it).
-
-    Args:
-        src: PEFT directory (``adapter_model.safetensors``: float32 ``[r, in]`` / ``[out, r]``
-            tensors + ``adapter_config.json``). dst: new directory (created). dtype: a
-            ``torch.dtype``.
-
-    Returns:
-        ``dst``, or None (nothing to cast: vLLM reads ``src`` as it is).
-
-    Raises:
-        OSError: ``dst`` cannot be written (the caller then loads ``src``).
-    """
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    wsrc = Path(src) / ADAPTER_WEIGHTS_NAME
-    with safe_open(str(wsrc), framework="pt") as f:
-        meta = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    if all(t.dtype == dtype or not t.is_floating_point() for t in tensors.values()):
-        return None
-    out = {k: (t.to(dtype) if t.is_floating_point() else t).contiguous() for k, t in tensors.items()}
-    dst = Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(dst / ADAPTER_WEIGHTS_NAME), metadata=meta)
-    shutil.copyfile(Path(src) / ADAPTER_CONFIG_NAME, dst / ADAPTER_CONFIG_NAME)
-    return dst
-
-
 # ---------------------------------------------------------------------------- requests
 
 
