@@ -29,7 +29,7 @@ STEPS=(
   "conform-B|.whl/k2|bench/conform_call.sh B|conformance 2/4: unpacks vLLM part A while the same stack runs test_batch_invariance, test_stack_packing; out: B/, logsB.tgz"
   "conform-C|.whl/k3|bench/conform_call.sh C|conformance 3/4: completes vLLM, restarts openrl serve on a new state dir (vLLM sampler, the keyed tests' environment), the parity test and the core files of tests/stack; out: C/, logsC.tgz"
   "conform-D|-|bench/conform_call.sh D|conformance 4/4: the rest of tests/stack (the service's edges, the mix on vLLM) against the same stack, then stops it; MIX_D; out: D/, logsD.tgz"
-  "stack-after-conform|-||after conform-C (vLLM complete, the stack's wheels and the model in place): stops conform-C's serve, then stack_h200.py with vLLM sharing conform-C's vLLM compile cache; ARGS (default --sections rl,sample --rl-runs 1,8 --shapes fixed,varied --warmup 1 --breakdown --no-direct); HANDOFF_AB=1: the RL rows with the snapshot handoff on, then off (OPENRL_HANDOFF_DIR=off), same job; out: stack.jsonl, stack.md [handoff-on/, handoff-off/], logsS.tgz"
+  "stack-after-conform|-||after conform-C (vLLM complete, the stack's wheels and the model in place): stops conform-C's serve, then stack_h200.py with vLLM sharing conform-C's vLLM compile cache; ARGS (default --sections rl,sample --rl-runs 1,8 --shapes fixed,varied --warmup 1 --breakdown --no-direct); AB_ENV="VAR=value ...": the RL rows with the defaults, then with AB_ENV set, same job (HANDOFF_AB=1: AB_ENV=OPENRL_HANDOFF_DIR=off); out: stack.jsonl, stack.md [default/, ab/], logsS.tgz"
   "stack-lora-probe|-||after conform-C (vLLM complete, the model in place; after stack-after-conform, whose stack is then stopped): bench/vllm_lora_load.py, where vLLM's adapter load goes (fp32 vs bf16 file, split into read, cast + pin, merge, activate) and the trainer-side export costs; PROBE_ARGS; out: lora_load.jsonl, logsP.tgz"
   "conform-R|.gpu|bench/conform_call.sh R|one call on a fresh machine, no vLLM: conform-A's set-up, then RFILES (filtered by RK) against a transformers-sampler stack; out: R/, logsR.tgz"
 )
@@ -282,14 +282,16 @@ step_stack_after_conform() {
   "$PY" bench/serve_bg.py stop --state-dir "$WORK/conf-vllm" --grace-s 20 2>&1 | tail -2
   [ -d "$WORK/conf-vllm/cache/vllm" ] && export VLLM_CACHE_ROOT=$WORK/conf-vllm/cache/vllm
   nvidia-smi --query-gpu=name,memory.used --format=csv 2>/dev/null
-  if [ "${HANDOFF_AB:-0}" = 1 ]; then  # the same rows with the snapshot handoff on (default), then off, same job
+  local ab=${AB_ENV:-}; [ "${HANDOFF_AB:-0}" = 1 ] && ab=${ab:-OPENRL_HANDOFF_DIR=off}
+  if [ -n "$ab" ]; then  # the same rows with the defaults ("default"), then with AB_ENV's VAR=value ("ab"), same job
     local o0=$O half=$(( ($(left) - 20) / 2 ))
-    for mode in on off; do
-      O=$o0/handoff-$mode; mkdir -p "$O"
+    echo "A/B: default vs $ab"
+    for mode in default ab; do
+      O=$o0/$mode; mkdir -p "$O"
       # shellcheck disable=SC2086
-      OPENRL_HANDOFF_DIR=$([ $mode = off ] && echo off) stack_bench $half \
-        ${ARGS:---sections rl --rl-runs 1,8 --shapes fixed --warmup 1 --rl-steps 5} > "$L/stack-$mode.log" 2>&1
-      el "stack bench handoff=$mode rc=$?"; grep '^{' "$L/stack-$mode.log" | grep '"what": "rl"' | cut -c1-700
+      ( [ $mode = ab ] && export $ab; stack_bench $half \
+        ${ARGS:---sections rl --rl-runs 1,8 --shapes fixed --warmup 1 --rl-steps 5} ) > "$L/stack-$mode.log" 2>&1
+      el "stack bench $mode rc=$?"; grep '^{' "$L/stack-$mode.log" | grep '"what": "rl"' | cut -c1-700
     done
     O=$o0
   else
