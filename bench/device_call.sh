@@ -31,6 +31,7 @@ STEPS=(
   "conform-D|-|bench/conform_call.sh D|conformance 4/4: the rest of tests/stack (the service's edges, the mix on vLLM) against the same stack, then stops it; MIX_D; out: D/, logsD.tgz"
   "stack-after-conform|-||after conform-C (vLLM complete, the stack's wheels and the model in place): stops conform-C's serve, then stack_h200.py with vLLM sharing conform-C's vLLM compile cache; ARGS (default --sections rl,sample --rl-runs 1,8 --shapes fixed,varied --warmup 1 --breakdown --no-direct); AB_ENV="VAR=value ...": the RL rows with the defaults, then with AB_ENV set, same job (HANDOFF_AB=1: AB_ENV=OPENRL_HANDOFF_DIR=off); out: stack.jsonl, stack.md [default/, ab/], logsS.tgz"
   "stack-lora-probe|-||after conform-C (vLLM complete, the model in place; after stack-after-conform, whose stack is then stopped): bench/vllm_lora_load.py, where vLLM's adapter load goes (fp32 vs bf16 file, split into read, cast + pin, merge, activate) and the trainer-side export costs; PROBE_ARGS; out: lora_load.jsonl, logsP.tgz"
+  "stack-export-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, the model, bench/vllm_lora_load.py --no-vllm: the trainer's export of an unnamed snapshot split (torch.cat, device-to-host pageable / pinned, tmpfs page faults, MAP_POPULATE, cudaHostRegister); out: lora_load.jsonl"
   "conform-R|.gpu|bench/conform_call.sh R|one call on a fresh machine, no vLLM: conform-A's set-up, then RFILES (filtered by RK) against a transformers-sampler stack; out: R/, logsR.tgz"
 )
 
@@ -321,6 +322,28 @@ step_stack_lora_probe() {
   grep '^{' "$L/probe.log" | cut -c1-700
   grep -v -E "^\s+(File|\^)" "$L/probe.log" | grep -i -E -B2 -A8 "Traceback|Error" | head -30
   pack_logs logsP "$L"; el "done"
+}
+
+# stack-export-probe: a fresh machine, carry [".gpu"]: the stack's wheels and the model as conform-A makes them,
+# then the trainer side of bench/vllm_lora_load.py (no vLLM): where the save part of an RL step goes.
+step_stack_export_probe() {
+  L=$WORK/logsE; rm -rf "$L"; mkdir -p "$L"
+  el start
+  if [ "$DRY" != 1 ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$STK" .gpu/wheels/*.whl > "$L/pip.log" 2>&1
+    el "stack wheels rc=$?"
+    stack_path
+    [ -f "$MODEL/config.json" ] || { timeout 150 "$PY" bench/stack_h200.py --make-model "$MODEL" --tokenizer-from .gpu/tok \
+      > "$L/make_model.log" 2>&1; el "make_model rc=$?"; }
+  else
+    stack_path; MODEL_ARGS=(--model-dir "${OPENRL_HOME:-$HOME/.openrl}/models/tiny-qwen3")
+  fi
+  # shellcheck disable=SC2086
+  timeout -k 15 $(( $(left) - 20 )) "$PY" bench/vllm_lora_load.py "${MODEL_ARGS[@]}" --out "$O" --no-vllm ${PROBE_ARGS:---reps 3} \
+    > "$L/probe.log" 2>&1; el "probe rc=$?"
+  grep '^{' "$L/probe.log" | cut -c1-700
+  grep -v -E "^\s+(File|\^)" "$L/probe.log" | grep -i -E -B2 -A8 "Traceback|Error" | head -30
+  el "done"
 }
 
 # ---- the GPU conformance chain (issue 22, docs/gpu-conformance.md) -----------------------------------------

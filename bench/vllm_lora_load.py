@@ -93,10 +93,75 @@ def trainer_side(model_dir: Path, work: Path, rank: int, reps: int, device: str)
         times["convert_bf16"].append(time.perf_counter() - t0)
     emit(what="trainer_side", device=device, rank=rank, tensors=len(m.named_adapter_parameters("a")),
          bytes_fp32=n32, bytes_bf16=n16, **{k: round(statistics.median(v), 4) for k, v in times.items()})
+    if device == "cuda":
+        export_split(m.named_adapter_parameters("a"), work, reps)
     del m, base
     if device == "cuda":
         torch.cuda.empty_cache()
     return dirs
+
+
+def export_split(params, work: Path, reps: int) -> None:
+    """Where ``write_adapter_direct``'s float32 export goes (CUDA only): ``cat`` (the one
+    ``torch.cat`` on the GPU), ``d2h_pageable`` (into a new, untouched CPU tensor),
+    ``d2h_pinned`` (into a pinned buffer kept across saves), ``shm_fresh`` (pinned buffer ->
+    a new tmpfs file through ``mmap``: the page faults + memcpy), ``shm_populate`` (the same with
+    ``MAP_POPULATE``), ``direct`` (the product's path: GPU -> the new file's mapped pages),
+    ``direct_registered`` (the same after ``cudaHostRegister`` of the mapping, register and
+    unregister included). Medians over ``reps``, seconds; one JSON line."""
+    import mmap
+
+    import torch
+
+    def timed(fn) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    flat = torch.cat([t.detach().reshape(-1).float() for _, t in params]).view(torch.uint8)
+    n = flat.numel()
+    pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    cudart = torch.cuda.cudart()
+    out: dict[str, list[float]] = {k: [] for k in ("cat", "d2h_pageable", "d2h_pinned", "shm_fresh", "shm_populate",
+                                                   "direct", "direct_registered")}
+
+    def to_file(name: str, src=None, populate: bool = False, register: bool = False) -> None:
+        path = work / f"split-{name}.bin"
+        path.unlink(missing_ok=True)
+        with open(path, "w+b") as f:
+            f.truncate(n)
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            with mmap.mmap(f.fileno(), n, flags=flags) as mm:
+                dst = torch.frombuffer(mm, dtype=torch.uint8, count=n)
+                if register:
+                    rc = cudart.cudaHostRegister(dst.data_ptr(), n, 0)
+                    if int(rc) != 0:
+                        raise RuntimeError(f"cudaHostRegister of the tmpfs mapping: {rc}")
+                dst.copy_(flat if src is None else src)
+                if register:
+                    torch.cuda.synchronize()
+                    cudart.cudaHostUnregister(dst.data_ptr())
+                del dst
+        path.unlink()
+
+    for _ in range(reps):
+        out["cat"].append(timed(lambda: torch.cat([t.detach().reshape(-1).float() for _, t in params])))
+        out["d2h_pageable"].append(timed(lambda: torch.empty(n, dtype=torch.uint8).copy_(flat)))
+        out["d2h_pinned"].append(timed(lambda: pinned.copy_(flat)))
+        out["shm_fresh"].append(timed(lambda: to_file("fresh", pinned)))
+        out["shm_populate"].append(timed(lambda: to_file("populate", pinned, populate=True)))
+        out["direct"].append(timed(lambda: to_file("direct")))
+        if "direct_registered" not in out:
+            continue
+        try:
+            out["direct_registered"].append(timed(lambda: to_file("registered", register=True)))
+        except RuntimeError as e:
+            out.pop("direct_registered", None)
+            emit(what="export_split_error", error=str(e))
+            (work / "split-registered.bin").unlink(missing_ok=True)
+    emit(what="export_split", bytes=n, reps=reps, **{k: round(statistics.median(v), 4) for k, v in out.items()})
 
 
 class Timers:
