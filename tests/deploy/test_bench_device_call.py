@@ -27,6 +27,8 @@ STEPS = {
     "conform-D": [],
     "conform-R": [".gpu"],
     "stack-after-conform": [],
+    "stack-lora-probe": [],
+    "stack-export-probe": [".gpu"],
 }
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
