@@ -108,7 +108,11 @@ def export_split(params, work: Path, reps: int) -> None:
     a new tmpfs file through ``mmap``: the page faults + memcpy), ``shm_populate`` (the same with
     ``MAP_POPULATE``), ``direct`` (the product's path: GPU -> the new file's mapped pages),
     ``direct_registered`` (the same after ``cudaHostRegister`` of the mapping, register and
-    unregister included). Medians over ``reps``, seconds; one JSON line."""
+    unregister included), ``shm_write`` (pinned buffer -> a new tmpfs file with one ``write``),
+    ``staged`` (the product's path since issue 31's third session: ``pack_adapter`` +
+    ``write_packed``, a side-stream copy into a kept pinned buffer, then one ``write``),
+    ``staged_pack`` (its part under the engine lock: the queued ``torch.cat``, not waited for).
+    Medians over ``reps``, seconds; one JSON line."""
     import mmap
 
     import torch
@@ -127,8 +131,27 @@ def export_split(params, work: Path, reps: int) -> None:
     n = flat.numel()
     pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     cudart = torch.cuda.cudart()
+    from openrl.model.lora.packed import pack_adapter, write_packed
+
     out: dict[str, list[float]] = {k: [] for k in ("cat", "d2h_pageable", "d2h_pinned", "shm_fresh", "shm_populate",
-                                                   "direct", "direct_registered")}
+                                                   "direct", "shm_write", "staged", "staged_pack",
+                                                   "direct_registered")}
+
+    def write_from(src) -> None:
+        path = work / "split-write.bin"
+        path.unlink(missing_ok=True)
+        with open(path, "wb") as f:
+            f.write(memoryview(src.numpy()))
+        path.unlink()
+
+    def staged() -> None:
+        path = work / "split-staged.bin"
+        path.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        packed = pack_adapter(params, torch.float32)
+        out["staged_pack"].append(time.perf_counter() - t0)
+        write_packed(packed, path)
+        path.unlink()
 
     def to_file(name: str, src=None, populate: bool = False, register: bool = False) -> None:
         path = work / f"split-{name}.bin"
@@ -156,6 +179,8 @@ def export_split(params, work: Path, reps: int) -> None:
         out["shm_fresh"].append(timed(lambda: to_file("fresh", pinned)))
         out["shm_populate"].append(timed(lambda: to_file("populate", pinned, populate=True)))
         out["direct"].append(timed(lambda: to_file("direct")))
+        out["shm_write"].append(timed(lambda: write_from(pinned)))
+        out["staged"].append(timed(staged))
     try:
         for _ in range(reps):
             out["direct_registered"].append(timed(lambda: to_file("registered", register=True)))

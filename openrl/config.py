@@ -135,6 +135,10 @@ class Settings(BaseSettings):
                                     "which the trainer hands unnamed sampler snapshots to the sampler from memory, "
                                     "default /dev/shm/openrl-<hash of home>; off = always through storage "
                                     "(openrl/storage/handoff.py)")
+    handoff_staged: bool = Field(True, description="with the handoff: the trainer packs an unnamed snapshot on the "
+                                 "GPU under the engine lock, then writes it through a pinned host buffer after "
+                                 "releasing the lock (at most two at a time); false = the whole write under the lock, "
+                                 "straight into the file's mapped pages (the earlier path, kept to compare)")
     handoff_max_bytes: int = Field(0, ge=0, description="most bytes of snapshots the handoff holds; 0 = a quarter "
                                    "of its file system, at most 16 GiB")
     idle_timeout: float = Field(300.0, ge=0, description="embedded stack (openrl serve / run): seconds a worker's "

@@ -629,19 +629,39 @@ class TrainerEngine:
         self._run(model_id)
         save_peft_adapter(self.model, model_id, Path(directory))
 
-    def export_sampler_direct(self, model_id: str, directory: Path) -> int:
-        """Write the run's PEFT adapter (float32 safetensors + ``adapter_config.json``) into
-        ``directory`` with one device-to-host copy straight into the file
-        (:func:`openrl.model.lora.peft_io.export_peft_direct`); the caller holds the engine lock.
+    def pack_sampler_snapshot(self, model_id: str):
+        """The run's adapter packed for a sampler snapshot: ``(PackedAdapter, adapter_config)``,
+        float32 in one private device buffer (:func:`openrl.model.lora.packed.pack_adapter`);
+        the caller holds the engine lock, and writes it after releasing it with
+        :meth:`write_packed_snapshot`.
+
+        Raises:
+            NotFound: unknown run.
+        """
+        from openrl.model.lora.packed import pack_adapter
+
+        self._run(model_id)
+        return pack_adapter(self.model.named_adapter_parameters(model_id), torch.float32), \
+            self.model.peft_config(model_id)
+
+    @staticmethod
+    def write_packed_snapshot(snapshot, directory: Path, *, staged: bool = True) -> int:
+        """Write a :meth:`pack_sampler_snapshot` into ``directory`` as ``adapter_model.safetensors``
+        + ``adapter_config.json`` (:func:`openrl.model.lora.packed.write_packed`; no lock needed).
         Returns the bytes written.
 
         Raises:
-            NotFound: unknown run. OSError: the directory cannot be written.
+            OSError: the directory cannot be written.
         """
-        from openrl.model.lora.peft_io import export_peft_direct
+        from openrl.model.lora.packed import write_packed
 
-        self._run(model_id)
-        return export_peft_direct(self.model, model_id, Path(directory))
+        packed, config = snapshot
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        n = write_packed(packed, directory / ADAPTER_WEIGHTS_NAME, staged=staged)
+        cfg = json.dumps(config, indent=2, sort_keys=True)
+        (directory / ADAPTER_CONFIG_NAME).write_text(cfg)
+        return n + len(cfg)
 
     def adapter_nbytes(self, model_id: str) -> int:
         """Bytes of the run's adapter as float32 (what a sampler snapshot's weights file holds).

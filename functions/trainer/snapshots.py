@@ -5,8 +5,12 @@
 (``sampling_session_id`` set); the SDK only keeps the sampling session, and calls such
 snapshots "always ephemeral". On one machine (``OPENRL_COLOCATED_SAMPLER``) the trainer:
 
-1. under the engine lock, writes the run's adapter with one device-to-host copy into a file
-   on the handoff's tmpfs (:meth:`TrainerEngine.export_sampler_direct`);
+1. under the engine lock, packs the run's adapter into one private GPU buffer
+   (:meth:`TrainerEngine.pack_sampler_snapshot`: a queued ``torch.cat``, milliseconds of the
+   lock), then, with the lock released (other runs' passes go on), copies it through a pinned
+   host buffer into a file on the handoff's tmpfs (:meth:`TrainerEngine.write_packed_snapshot`;
+   at most :data:`WRITE_CONCURRENCY` at a time, which bounds the GPU and pinned buffers);
+   ``handoff_staged=False`` does the whole write under the lock, straight into the file's pages;
 2. answers the future (``{path, sampling_session_id}``): the sampler reads the snapshot from
    the handoff, before storage;
 3. in the background (at most :data:`PERSIST_CONCURRENCY` at a time), copies the files to
@@ -38,6 +42,7 @@ from openrl.storage.handoff import SnapshotHandoff
 log = logging.getLogger("openrl.trainer.snapshots")
 
 PERSIST_CONCURRENCY = 2
+WRITE_CONCURRENCY = 2
 PERSIST_TRIES = 3
 
 
@@ -46,13 +51,18 @@ class SnapshotWriter:
 
     Args:
         handoff: the shared-memory directory. storage: the durable store.
-        engine_lock: the lock that serialises engine computations (held for the copy).
+        engine_lock: the lock that serialises engine computations (held while the adapter is
+            packed; with ``staged=False`` for the whole write).
+        staged: ``Settings.handoff_staged``.
     """
 
-    def __init__(self, handoff: SnapshotHandoff, storage: Storage, engine_lock: asyncio.Lock):
+    def __init__(self, handoff: SnapshotHandoff, storage: Storage, engine_lock: asyncio.Lock, *,
+                 staged: bool = True):
         self.handoff = handoff
         self.storage = storage
         self._lock = engine_lock
+        self.staged = staged
+        self._writers = asyncio.Semaphore(WRITE_CONCURRENCY)
         self._sem = asyncio.Semaphore(PERSIST_CONCURRENCY)
         self._tasks: set[asyncio.Task] = set()
 
@@ -83,14 +93,24 @@ class SnapshotWriter:
         meta = {"tinker_path": str(path), "training_run_id": model_id, "seq_id": seq_id, "owner": owner,
                 "ttl_seconds": ttl_seconds, "extra": extra}
         nbytes = engine.adapter_nbytes(model_id)
-        async with self._lock:  # the copy sees no optimizer step half done
-            entry = await asyncio.to_thread(
-                self.handoff.put, path, nbytes, lambda d: engine.export_sampler_direct(model_id, d), meta)
+        async with self._writers:  # bounds the packed buffers alive at once
+            async with self._lock:  # the packing sees no optimizer step half done
+                packed = await asyncio.to_thread(engine.pack_sampler_snapshot, model_id)
+                if not self.staged:
+                    entry = await self._put(engine, path, nbytes, packed, meta)
+            if self.staged:
+                entry = await self._put(engine, path, nbytes, packed, meta)
+            del packed
         metrics.SNAPSHOT_SAVES.labels("memory" if entry is not None else "storage").inc()
         if entry is None:
             return False
         self._persist_later(path)
         return True
+
+    async def _put(self, engine, path: TinkerPath, nbytes: int, packed, meta: dict):
+        staged = self.staged
+        return await asyncio.to_thread(
+            self.handoff.put, path, nbytes, lambda d: engine.write_packed_snapshot(packed, d, staged=staged), meta)
 
     def _persist_later(self, path: TinkerPath) -> None:
         if self.handoff.durable(path):

@@ -81,6 +81,8 @@ class SnapshotHandoff:
             max_bytes = min(int(st.f_blocks * st.f_frsize * DEFAULT_SHARE), DEFAULT_CAP_BYTES)
         self.max_bytes = int(max_bytes)
         self.keep_s = float(keep_s)
+        self._room = threading.Lock()  # the room check and the bytes of writes under way
+        self._reserved = 0
 
     @classmethod
     def from_settings(cls, cfg) -> "SnapshotHandoff | None":
@@ -197,8 +199,17 @@ class SnapshotHandoff:
         """
         if self.get(path) is not None:
             raise FileExistsError(f"{path} is already in the handoff")
-        if not self.make_room(nbytes):
-            return None
+        with self._room:  # concurrent puts (the trainer writes two at a time) count each other's bytes
+            if not self.make_room(nbytes + self._reserved):
+                return None
+            self._reserved += nbytes
+        try:
+            return self._put(path, write, meta)
+        finally:
+            with self._room:
+                self._reserved -= nbytes
+
+    def _put(self, path: TinkerPath, write: Callable[[Path], object], meta: dict) -> Path | None:
         dest = self.dir_of(path)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".tmp-"))

@@ -1,7 +1,9 @@
 """The shared-memory snapshot handoff (openrl/storage/handoff.py), the trainer's writer
 (functions/trainer/snapshots.py) and the one-copy adapter file (openrl/model/lora/peft_io.py):
-real files on a tmp dir and a real file:// storage; no GPU, so the device path of
-``write_adapter_direct`` is checked with CPU tensors through ``_write_packed``."""
+real files on a tmp dir and a real file:// storage; no GPU, so the device paths of
+``openrl.model.lora.packed.write_packed`` (the pinned staging buffer, the mapped file) are checked
+with CPU tensors where they can be (``_write_mapped``); the staged copy runs on the GPU only
+(the GPU conformance run's handoff test)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from safetensors.torch import load_file
 
 from functions.trainer.snapshots import SnapshotWriter
 from openrl.config import Settings
-from openrl.model.lora.peft_io import _write_packed, write_adapter_direct
+from openrl.model.lora.packed import HostStaging, _write_mapped, pack_adapter, write_packed
+from openrl.model.lora.peft_io import write_adapter_direct
 from openrl.storage import CheckpointExists, TinkerPath, open_storage
 from openrl.storage.handoff import DURABLE_NAME, SnapshotHandoff
 
@@ -41,14 +44,36 @@ def test_direct_file_reads_back_as_the_same_tensors(tmp_path, dtype):
         assert f.metadata() == {"format": "pt"}
 
 
-def test_packed_path_writes_the_same_bytes_as_the_streamed_one(tmp_path):
-    """The device path (one cat, one copy into the memory-mapped file) and the CPU path agree."""
-    params = _params(1)
-    write_adapter_direct(params, tmp_path / "cpu.safetensors")
-    data = (tmp_path / "cpu.safetensors").read_bytes()
-    hlen = int.from_bytes(data[:8], "little")
-    _write_packed(params, tmp_path / "packed.safetensors", torch.float32, data[:8 + hlen], len(data) - 8 - hlen)
-    assert (tmp_path / "packed.safetensors").read_bytes() == data
+def test_mapped_path_writes_the_same_bytes_as_the_written_one(tmp_path):
+    """The unstaged device path (one copy into the memory-mapped file) and the CPU path agree."""
+    packed = pack_adapter(_params(1))
+    n = write_packed(packed, tmp_path / "cpu.safetensors")
+    assert _write_mapped(packed, tmp_path / "mapped.safetensors") == n == packed.nbytes
+    assert (tmp_path / "mapped.safetensors").read_bytes() == (tmp_path / "cpu.safetensors").read_bytes()
+
+
+def test_packing_is_a_snapshot(tmp_path):
+    """What pack_adapter took is written even if the tensors change before the write (the
+    trainer releases the engine lock between the two)."""
+    params = _params(2)
+    want = {k: v.clone() for k, v in params}
+    packed = pack_adapter(params)
+    for _, v in params:
+        v.add_(1.0)
+    write_packed(packed, tmp_path / "a.safetensors")
+    back = load_file(tmp_path / "a.safetensors")
+    assert all(torch.equal(back[k], want[k]) for k in want)
+
+
+def test_host_staging_reuses_a_buffer_that_fits():
+    st = HostStaging.__new__(HostStaging)
+    HostStaging.__init__(st)
+    a = torch.empty(100, dtype=torch.uint8)  # stand-ins for pinned buffers (no CUDA here)
+    st.give(a)
+    assert st.take(80) is a and st._free == []
+    st.give(a)
+    st.give(torch.empty(10, dtype=torch.uint8))
+    assert st.take(50) is a
 
 
 def test_direct_writer_refuses_what_it_cannot_store(tmp_path):
@@ -191,8 +216,10 @@ def test_writer_save_falls_back_when_there_is_no_room(tmp_path):
         def adapter_nbytes(self, model_id):
             return 10_000
 
-        def export_sampler_direct(self, model_id, d):
-            _fill()(d)
+        def pack_sampler_snapshot(self, model_id):
+            return pack_adapter(_params(0)), {"r": 4, "lora_alpha": 32, "target_modules": ["q_proj"]}
+
+        write_packed_snapshot = staticmethod(_write_snapshot)
 
     async def go():
         w = SnapshotWriter(handoff, storage, asyncio.Lock())
@@ -206,6 +233,108 @@ def test_writer_save_falls_back_when_there_is_no_room(tmp_path):
         assert handoff.durable(_path()) and storage.manifest(_path())["seq_id"] == 3
 
     asyncio.run(go())
+
+
+def _write_snapshot(snapshot, d, *, staged=True):
+    from functions.trainer.engine import TrainerEngine
+
+    return TrainerEngine.write_packed_snapshot(snapshot, d, staged=staged)
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_writer_holds_the_engine_lock_only_while_packing(tmp_path, staged):
+    """staged (the default): the engine lock is held while the adapter is packed, not while the
+    file is written, and at most WRITE_CONCURRENCY writes run at once; staged=False: the lock is
+    held through the write. Lock-held and write intervals are recorded and compared."""
+    from functions.trainer import snapshots
+
+    import threading
+
+    handoff, storage = _writer(tmp_path)
+    held: list[list[float]] = []  # [acquired, released] of the engine lock
+    writes: list[tuple[float, float]] = []
+    pair = threading.Barrier(2)  # staged: the first two writes wait for each other
+    count = iter(range(100))
+
+    class Lock(asyncio.Lock):
+        async def acquire(self):
+            r = await super().acquire()
+            held.append([time.monotonic(), float("inf")])
+            return r
+
+        def release(self):
+            held[-1][1] = time.monotonic()
+            super().release()
+
+    lock = Lock()
+
+    class Engine:
+        def adapter_nbytes(self, model_id):
+            return 1000
+
+        def pack_sampler_snapshot(self, model_id):
+            assert lock.locked()
+            return pack_adapter(_params(0)), {"r": 4, "lora_alpha": 32, "target_modules": ["q_proj"]}
+
+        @staticmethod
+        def write_packed_snapshot(snapshot, d, *, staged=True):
+            t0 = time.monotonic()
+            if staged and next(count) < 2:
+                pair.wait(timeout=30)  # fails the test (BrokenBarrierError) if writes cannot overlap
+            time.sleep(0.3)  # a slow write (a hold of the lock to pack is milliseconds)
+            n = _write_snapshot(snapshot, d, staged=staged)
+            writes.append((t0, time.monotonic()))
+            return n
+
+    async def go():
+        w = SnapshotWriter(handoff, storage, lock, staged=staged)
+        oks = await asyncio.gather(*[w.save(Engine(), "run-a", _path(f"s{i}-0"), seq_id=i, owner="o1",
+                                            ttl_seconds=None, extra={}) for i in range(5)])
+        assert oks == [True] * 5
+        await w.drain()
+
+    asyncio.run(go())
+    assert len(held) == 5 and len(writes) == 5
+
+    def inside_a_hold(a, b):
+        return any(h0 <= a and b <= h1 for h0, h1 in held)
+
+    most = max(sum(1 for a2, b2 in writes if a2 < b and a < b2) for a, b in writes)  # overlapping writes
+    if staged:
+        assert not any(inside_a_hold(a, b) for a, b in writes)
+        assert most == snapshots.WRITE_CONCURRENCY
+    else:
+        assert all(inside_a_hold(a, b) for a, b in writes) and most == 1
+    for i in range(5):
+        assert load_file(handoff.dir_of(_path(f"s{i}-0")) / "adapter_model.safetensors")
+
+
+def test_concurrent_puts_count_each_others_bytes(tmp_path):
+    """Two writes under way at once cannot both pass the room check for one entry's room."""
+    import threading
+
+    handoff, _storage = _writer(tmp_path, max_bytes=1500)
+    gate = threading.Barrier(2)
+    got = []
+
+    def slow_fill(d):
+        gate.wait(timeout=5)  # both writes are under way before either finishes
+        _fill()(d)
+
+    def one(i):
+        p = _path(f"s{i}-0")
+        try:
+            got.append(handoff.put(p, 1000, slow_fill, _meta(p, seq_id=i)))
+        except threading.BrokenBarrierError:
+            got.append("alone")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(map(str, got)).count("None") == 1, got  # the second found no room
+    assert handoff._reserved == 0
 
 
 def test_settings_turn_it_on_only_for_a_colocated_sampler(tmp_path):

@@ -68,27 +68,18 @@ def load_peft_adapter(model: MultiLoRAModel, name: str, directory: Path, seed: i
     model.load_peft_state_dict(name, sd, cfg, seed=seed)
 
 
-#: safetensors dtype names (format: https://github.com/huggingface/safetensors#format).
-_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-
-
-def write_adapter_direct(params: list[tuple[str, Tensor]], path: Path, dtype=None) -> int:
-    """Write ``params`` as a safetensors file with ONE device-to-host copy and no staging copy:
-    the parameters are packed into one flat device buffer (``torch.cat``), the file is created
-    at its final size and memory-mapped, and the buffer is copied straight into the mapped
-    pages (on a tmpfs such as ``/dev/shm`` that is the only copy the bytes make).
+def write_adapter_direct(params: list[tuple[str, Tensor]], path: Path, dtype=None, *, staged: bool = True) -> int:
+    """Write ``params`` as a safetensors file with one device-to-host copy:
+    :func:`openrl.model.lora.packed.pack_adapter` then :func:`~openrl.model.lora.packed.write_packed`
+    (``staged``: through a pinned host buffer; else straight into the file's mapped pages).
 
     The file holds the same tensors as :func:`safetensors.torch.save_file` would write
-    (metadata ``{"format": "pt"}``; the data in the given order, the header padded with spaces
-    to a multiple of 8 bytes), so PEFT, vLLM and :func:`read_peft_adapter` read it. CPU
-    tensors are written one after another from their own memory (no packing copy).
-    Format: 8-byte little-endian header size N, N bytes of JSON header, then the raw
-    little-endian tensor bytes at the header's ``data_offsets`` (safetensors README).
+    (metadata ``{"format": "pt"}``, the data in the given order), so PEFT, vLLM and
+    :func:`read_peft_adapter` read it.
 
     Args:
-        params: ``(key, tensor)`` pairs, any device, all of one dtype after the cast below;
-            e.g. :meth:`MultiLoRAModel.named_adapter_parameters` (float32 ``[r, in]`` /
-            ``[out, r]``).
+        params: ``(key, tensor)`` pairs, one device, e.g.
+            :meth:`MultiLoRAModel.named_adapter_parameters` (float32 ``[r, in]`` / ``[out, r]``).
         path: the file to create (replaced if present).
         dtype: the stored dtype (default: the first tensor's; float32 / bfloat16 / float16).
 
@@ -99,55 +90,12 @@ def write_adapter_direct(params: list[tuple[str, Tensor]], path: Path, dtype=Non
         ValueError: no parameters, or a dtype safetensors has no name for here.
         OSError: the file cannot be created (e.g. the tmpfs is full: ENOSPC).
     """
-    import torch
+    from openrl.model.lora.packed import pack_adapter, write_packed
 
-    if not params:
-        raise ValueError("no tensors to write")
-    dtype = dtype or params[0][1].dtype
-    name = str(dtype).removeprefix("torch.")
-    if name not in _ST_DTYPES:
-        raise ValueError(f"cannot store dtype {dtype} (float32, bfloat16, float16)")
-    esize = torch.empty((), dtype=dtype).element_size()
-    header: dict = {"__metadata__": {"format": "pt"}}
-    off = 0
-    for key, t in params:
-        nbytes = t.numel() * esize
-        header[key] = {"dtype": _ST_DTYPES[name], "shape": list(t.shape), "data_offsets": [off, off + nbytes]}
-        off += nbytes
-    hjson = json.dumps(header, separators=(",", ":")).encode()
-    hjson += b" " * (-(8 + len(hjson)) % 8)
-    prefix = len(hjson).to_bytes(8, "little") + hjson
-    path = Path(path)
-    if all(t.device.type == "cpu" for _, t in params):
-        with open(path, "wb") as f:
-            f.write(prefix)
-            for _, t in params:
-                f.write(memoryview(t.detach().to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy()))
-        return len(prefix) + off
-    return _write_packed(params, path, dtype, prefix, off)
+    return write_packed(pack_adapter(params, dtype), Path(path), staged=staged)
 
 
-def _write_packed(params: list[tuple[str, Tensor]], path: Path, dtype, prefix: bytes, nbytes: int) -> int:
-    """:func:`write_adapter_direct` for device tensors: one ``torch.cat`` on the device, then one
-    copy into the memory-mapped file after ``prefix`` (``nbytes`` of data). Returns the size."""
-    import mmap
-
-    import torch
-
-    with torch.no_grad():
-        flat = torch.cat([t.detach().reshape(-1).to(dtype) for _, t in params]).view(torch.uint8)
-    total = len(prefix) + nbytes
-    with open(path, "w+b") as f:
-        f.truncate(total)
-        with mmap.mmap(f.fileno(), total) as mm:
-            mm[:len(prefix)] = prefix
-            dst = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=len(prefix))
-            dst.copy_(flat)  # device -> host, straight into the file's pages
-            del dst
-    return total
-
-
-def export_peft_direct(model: MultiLoRAModel, name: str, directory: Path) -> int:
+def export_peft_direct(model: MultiLoRAModel, name: str, directory: Path, *, staged: bool = True) -> int:
     """Write adapter ``name`` of ``model`` as :func:`save_peft_adapter` does (float32
     ``adapter_model.safetensors`` + ``adapter_config.json`` in ``directory``, created if
     needed), through :func:`write_adapter_direct`: one device-to-host copy into the file.
@@ -162,7 +110,8 @@ def export_peft_direct(model: MultiLoRAModel, name: str, directory: Path) -> int
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    n = write_adapter_direct(model.named_adapter_parameters(name), directory / ADAPTER_WEIGHTS_NAME, torch.float32)
+    n = write_adapter_direct(model.named_adapter_parameters(name), directory / ADAPTER_WEIGHTS_NAME, torch.float32,
+                             staged=staged)
     cfg = json.dumps(model.peft_config(name), indent=2, sort_keys=True)
     (directory / ADAPTER_CONFIG_NAME).write_text(cfg)
     return n + len(cfg)
