@@ -106,7 +106,9 @@ def busy(before: dict, after: dict, wall_s: float, steps: int) -> dict:
         keys = {"trainer": (('openrl_trainer_snapshot_saves_total{path="memory"}', "snapshots_memory"),
                             ('openrl_trainer_snapshot_saves_total{path="storage"}', "snapshots_storage")),
                 "sampler": (("openrl_sampler_adapter_load_seconds_count", "adapter_loads"),
-                            ("openrl_sampler_adapter_load_seconds_sum", "adapter_load_s"))}
+                            ("openrl_sampler_adapter_load_seconds_sum", "adapter_load_s"),
+                            ('openrl_sampler_adapter_load_part_seconds_sum{part="check"}', "adapter_check_s"),
+                            ('openrl_sampler_adapter_load_part_seconds_sum{part="engine"}', "adapter_engine_s"))}
         for key, label in keys[name]:
             bv, av = before.get(name, {}).get(key), after.get(name, {}).get(key)
             if av is not None:

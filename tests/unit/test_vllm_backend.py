@@ -228,3 +228,43 @@ def test_vllm_backend_engine(tmp_path):  # pragma: no cover - GPU only
 
     r = asyncio.run(go())
     assert len(r.sequences[0].tokens) == 5
+
+
+def test_load_adapter_times_its_parts(exported, monkeypatch):
+    """VLLMBackend.load_adapter records the check and the engine call apart
+    (``openrl_sampler_adapter_load_part_seconds``). vLLM's AsyncLLM needs a CUDA GPU: a stand-in
+    engine takes ``add_lora`` here, and a stand-in ``vllm.lora.request`` module gives the request
+    type; the real engine runs in the GPU conformance run."""
+    import asyncio
+    import sys
+    import types
+
+    from functions.sampler.backends.vllm import VLLMBackend
+    from openrl.observe import metrics
+
+    mod = types.ModuleType("vllm.lora.request")
+    mod.LoRARequest = lambda **kw: SimpleNamespace(**kw)
+    for name in ("vllm", "vllm.lora"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", mod)
+    added = []
+
+    class Engine:
+        async def add_lora(self, req):
+            await asyncio.sleep(0.05)
+            added.append(req)
+            return True
+
+    be = VLLMBackend.__new__(VLLMBackend)
+    be.engine, be._ids, be._requests, be._next_id = Engine(), {}, {}, 1
+    be.max_lora_rank, be.unembed_lora, be._unembed_keys = 32, "fallback", set()
+
+    def total(part):
+        return metrics.ADAPTER_LOAD_PART_SECONDS.labels(part)._sum.get()
+
+    before = {p: total(p) for p in ("check", "engine")}
+    asyncio.run(be.load_adapter("k1", exported / "body"))
+    asyncio.run(be.load_adapter("k1", exported / "body"))  # loaded: not again
+    assert [r.lora_name for r in added] == ["k1"] and be._ids == {"k1": 1}
+    assert total("engine") - before["engine"] >= 0.04  # the stand-in's 0.05 s sleep
+    assert total("check") - before["check"] > 0

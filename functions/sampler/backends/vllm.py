@@ -59,6 +59,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Mapping
@@ -214,10 +215,16 @@ class VLLMBackend:
         Raises:
             UserError("model_path", ...): unusable adapter (vLLM's own error included).
         """
+        from openrl.observe import metrics
+
         if key in self._ids:
             return
+        t0 = time.perf_counter()
         info = await asyncio.to_thread(prepare_adapter, Path(directory), max_rank=self.max_lora_rank)
+        t1 = time.perf_counter()
         await self._register(key, Path(directory))
+        metrics.ADAPTER_LOAD_PART_SECONDS.labels("check").observe(t1 - t0)
+        metrics.ADAPTER_LOAD_PART_SECONDS.labels("engine").observe(time.perf_counter() - t1)
         if info["unembed"]:
             self._unembed_keys.add(key)
             if self.unembed_lora == "keep" and self.unembed_check == "not run":
