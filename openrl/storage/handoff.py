@@ -3,9 +3,9 @@ shared memory (issue 31 item 1).
 
 ``save_weights_and_get_sampling_client()`` (an unnamed ``save_weights_for_sampler``) is on the
 critical path of every RL step. On one machine (the embedded stack: ``openrl serve``, where
-``OPENRL_COLOCATED_SAMPLER`` is set) the trainer writes such a snapshot with one
-device-to-host copy straight into a file on a tmpfs (:func:`openrl.model.lora.peft_io.
-write_adapter_direct`), answers the future, and writes the durable checkpoint (manifest with
+``OPENRL_COLOCATED_SAMPLER`` is set) the trainer packs such a snapshot on the GPU under its
+engine lock and writes it into a file on a tmpfs through a pinned host buffer after releasing the
+lock (:mod:`openrl.model.lora.packed`), answers the future, and writes the durable checkpoint (manifest with
 sha256, storage ``put_dir``) in the background. The sampler finds the snapshot here before it
 asks storage; vLLM memory-maps the file. Nothing here replaces storage: every snapshot still
 becomes an immutable durable checkpoint at the same ``tinker://`` path (invariant 4), which is
