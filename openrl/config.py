@@ -137,8 +137,11 @@ class Settings(BaseSettings):
                                     "(openrl/storage/handoff.py)")
     handoff_staged: bool = Field(True, description="with the handoff: the trainer packs an unnamed snapshot on the "
                                  "GPU under the engine lock, then writes it through a pinned host buffer after "
-                                 "releasing the lock (at most two at a time); false = the whole write under the lock, "
-                                 "straight into the file's mapped pages (the earlier path, kept to compare)")
+                                 "releasing the lock; false = the whole write under the lock, straight into the "
+                                 "file's mapped pages (the earlier path, kept to compare)")
+    handoff_writers: int = Field(2, ge=1, le=16, description="with handoff_staged: most unnamed snapshots written at "
+                                 "once; each holds a packed copy of its adapter on the GPU and a pinned host buffer "
+                                 "of its size (a rank-32 Qwen3-4B adapter: 284 MB of each)")
     handoff_max_bytes: int = Field(0, ge=0, description="most bytes of snapshots the handoff holds; 0 = a quarter "
                                    "of its file system, at most 16 GiB")
     idle_timeout: float = Field(300.0, ge=0, description="embedded stack (openrl serve / run): seconds a worker's "

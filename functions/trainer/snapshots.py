@@ -9,7 +9,8 @@ snapshots "always ephemeral". On one machine (``OPENRL_COLOCATED_SAMPLER``) the 
    (:meth:`TrainerEngine.pack_sampler_snapshot`: a queued ``torch.cat``, milliseconds of the
    lock), then, with the lock released (other runs' passes go on), copies it through a pinned
    host buffer into a file on the handoff's tmpfs (:meth:`TrainerEngine.write_packed_snapshot`;
-   at most :data:`WRITE_CONCURRENCY` at a time, which bounds the GPU and pinned buffers);
+   at most ``writers`` at a time, ``Settings.handoff_writers``, which bounds the GPU and pinned
+   buffers);
    ``handoff_staged=False`` does the whole write under the lock, straight into the file's pages;
 2. answers the future (``{path, sampling_session_id}``): the sampler reads the snapshot from
    the handoff, before storage;
@@ -42,7 +43,6 @@ from openrl.storage.handoff import SnapshotHandoff
 log = logging.getLogger("openrl.trainer.snapshots")
 
 PERSIST_CONCURRENCY = 2
-WRITE_CONCURRENCY = 2
 PERSIST_TRIES = 3
 
 
@@ -53,16 +53,18 @@ class SnapshotWriter:
         handoff: the shared-memory directory. storage: the durable store.
         engine_lock: the lock that serialises engine computations (held while the adapter is
             packed; with ``staged=False`` for the whole write).
-        staged: ``Settings.handoff_staged``.
+        staged: ``Settings.handoff_staged``. writers: ``Settings.handoff_writers`` (most
+            snapshots written at once).
     """
 
     def __init__(self, handoff: SnapshotHandoff, storage: Storage, engine_lock: asyncio.Lock, *,
-                 staged: bool = True):
+                 staged: bool = True, writers: int = 2):
         self.handoff = handoff
         self.storage = storage
         self._lock = engine_lock
         self.staged = staged
-        self._writers = asyncio.Semaphore(WRITE_CONCURRENCY)
+        self.writers = max(1, int(writers))
+        self._writers = asyncio.Semaphore(self.writers)
         self._sem = asyncio.Semaphore(PERSIST_CONCURRENCY)
         self._tasks: set[asyncio.Task] = set()
 

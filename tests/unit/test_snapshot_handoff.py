@@ -244,10 +244,8 @@ def _write_snapshot(snapshot, d, *, staged=True):
 @pytest.mark.parametrize("staged", [True, False])
 def test_writer_holds_the_engine_lock_only_while_packing(tmp_path, staged):
     """staged (the default): the engine lock is held while the adapter is packed, not while the
-    file is written, and at most WRITE_CONCURRENCY writes run at once; staged=False: the lock is
+    file is written, and at most ``writers`` (2) writes run at once; staged=False: the lock is
     held through the write. Lock-held and write intervals are recorded and compared."""
-    from functions.trainer import snapshots
-
     import threading
 
     handoff, storage = _writer(tmp_path)
@@ -287,7 +285,7 @@ def test_writer_holds_the_engine_lock_only_while_packing(tmp_path, staged):
             return n
 
     async def go():
-        w = SnapshotWriter(handoff, storage, lock, staged=staged)
+        w = SnapshotWriter(handoff, storage, lock, staged=staged, writers=2)
         oks = await asyncio.gather(*[w.save(Engine(), "run-a", _path(f"s{i}-0"), seq_id=i, owner="o1",
                                             ttl_seconds=None, extra={}) for i in range(5)])
         assert oks == [True] * 5
@@ -302,7 +300,7 @@ def test_writer_holds_the_engine_lock_only_while_packing(tmp_path, staged):
     most = max(sum(1 for a2, b2 in writes if a2 < b and a < b2) for a, b in writes)  # overlapping writes
     if staged:
         assert not any(inside_a_hold(a, b) for a, b in writes)
-        assert most == snapshots.WRITE_CONCURRENCY
+        assert most == 2
     else:
         assert all(inside_a_hold(a, b) for a, b in writes) and most == 1
     for i in range(5):
