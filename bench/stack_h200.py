@@ -574,7 +574,8 @@ def s_rl(svc, s: Serve, a, ctx: dict) -> None:
         log(what="rl", runs=N, steps=a.rl_steps, prompts=G, samples=S, new_tokens=n, wall_s=round(wall, 2),
             median_s=med, steps_per_s=round(N * a.rl_steps / wall, 3),
             sampled_tokens_per_s=round(sum(r["tokens"] for r in rows) / wall, 1),
-            step_s=shapes.quantiles([r["step"] for r in rows]), busy=marks.busy(a.rl_steps))
+            step_s=shapes.quantiles([r["step"] for r in rows]), busy=marks.busy(a.rl_steps),
+            **({"ops": marks.ops()} if a.breakdown else {}))
     if "varied" in a.shapes:
         shapes.s_rl_varied(H, svc, s, a, clients)
 
@@ -1007,7 +1008,8 @@ def main() -> None:
                     help="cold: start with --idle-timeout IDLE_S and, after the last start, time the first "
                          "forward_backward and sample after the workers scaled to zero (0: off)")
     ap.add_argument("--no-direct", dest="direct_cmp", action="store_false", help="sample: skip the direct engine")
-    ap.add_argument("--breakdown", action="store_true", help="sample: per-request times from the futures bucket")
+    ap.add_argument("--breakdown", action="store_true", help="sample: per-request times from the futures bucket; "
+                    "rl: per operation, queued and handled seconds of the timed steps' requests (ops)")
     ap.add_argument("--profile-sampler", action="store_true",
                     help="cProfile the stack's sampler worker (main thread) -> OUT/sampler_profile.txt")
     ap.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)

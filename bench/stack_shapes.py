@@ -116,6 +116,43 @@ def busy(before: dict, after: dict, wall_s: float, steps: int) -> dict:
     return out
 
 
+def futures_by_op(s, u_from: float, u_to: float) -> dict:
+    """Where the requests accepted in ``[u_from, u_to]`` (unix seconds) spent their time, per
+    operation, from the futures bucket (not the SDK): ``{op: {"n", "queued_s", "handled_s"}}`` with
+    quantiles (:func:`quantiles`, seconds) of ``queued_s`` (the gateway accepted it, ``t0`` ->
+    a worker took it up, ``ts``) and ``handled_s`` (``ts`` -> the answer landed, ``t1``; for the
+    trainer this includes its hold window, the wait for the engine lock and the pass). What the
+    client's step time has beyond these is the SDK's own round trips (submit, long-poll). Returns
+    ``{"error": ...}`` when the bucket cannot be read."""
+    import asyncio
+
+    async def go():
+        from openrl.transport.bus import FUTURES_BUCKET, Bus, FutureRecord
+
+        nats = json.loads((Path(s.state) / "ports.json").read_text())["nats"]
+        bus = await Bus(nats).connect()
+        try:
+            rows: dict[str, list[tuple[float, float]]] = {}
+            for k in await bus.kv_keys(FUTURES_BUCKET):
+                e = await bus.futures.get(k)
+                rec = FutureRecord.decode(e.value)
+                m = rec.meta or {}
+                t0, ts, t1 = m.get("t0"), m.get("ts"), m.get("t1")
+                if t0 and t1 and u_from <= t0 <= u_to:
+                    ts = ts or t0
+                    rows.setdefault(rec.op or "?", []).append((ts - t0, t1 - ts))
+            return rows
+        finally:
+            await bus.close()
+
+    try:
+        rows = asyncio.run(go())
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {op: {"n": len(v), "queued_s": quantiles([q for q, _ in v]), "handled_s": quantiles([h for _, h in v])}
+            for op, v in sorted(rows.items())}
+
+
 class Marks:
     """A barrier action: at each release of the two barriers around the timed steps, the time
     (``time.perf_counter()`` seconds) and a :func:`busy_snapshot`: taken before the workers go on,
@@ -124,14 +161,23 @@ class Marks:
 
     def __init__(self, h, s):
         self.h, self.s, self.at = h, s, []
+        self.unix: list[float] = []  # the same marks as unix seconds (the futures bucket's clock)
 
     def __call__(self) -> None:
         if not self.at:
             snap = busy_snapshot(self.h, self.s)
+            self.unix.append(time.time())
             self.at.append((time.perf_counter(), snap))
         else:
             t = time.perf_counter()
+            self.unix.append(time.time())
             self.at.append((t, busy_snapshot(self.h, self.s)))
+
+    def ops(self) -> dict:
+        """:func:`futures_by_op` over the timed steps (``{}`` if a mark is missing)."""
+        if len(self.unix) < 2:
+            return {}
+        return futures_by_op(self.s, self.unix[0], self.unix[1])
 
     def busy(self, steps: int) -> dict:
         """:func:`busy` over the timed steps (``{}`` if a mark is missing)."""
@@ -332,7 +378,7 @@ def s_rl_varied(h, svc, s, a, clients: list) -> None:
               trained_tokens_per_s=round(sum(r["train_tokens"] for r in rows) / wall, 1),
               sequences_per_step=quantiles([r["sequences"] for r in rows]),
               new_tokens_per_sequence=quantiles(lens), stopped_share=round(sum(r["stopped"] for r in rows) / max(1, seqs), 3),
-              busy=marks.busy(a.rl_steps),
+              busy=marks.busy(a.rl_steps), **({"ops": marks.ops()} if getattr(a, "breakdown", False) else {}),
               shapes={"prompt": sh.prompt, "max_tokens": sorted({cap // 4 or 1, cap // 2 or 1, cap}),
                       "sequences_per_step": sh.datums, "prompts_per_step": sh.rl_prompts, "stop_ids": len(stops)})
 
