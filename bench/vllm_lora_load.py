@@ -111,7 +111,9 @@ def export_split(params, work: Path, reps: int) -> None:
     unregister included), ``shm_write`` (pinned buffer -> a new tmpfs file with one ``write``),
     ``staged`` (the product's path since issue 31's third session: ``pack_adapter`` +
     ``write_packed``, a side-stream copy into a kept pinned buffer, then one ``write``),
-    ``staged_pack`` (its part under the engine lock: the queued ``torch.cat``, not waited for).
+    ``staged_pack`` (its part under the engine lock: the queued ``torch.cat``, not waited for),
+    ``staged_spare`` (the new path over a pre-allocated file, ``OPENRL_HANDOFF_SPARES``; the
+    allocation, ``spare_alloc``, is timed apart: the product makes it in the background).
     Medians over ``reps``, seconds; one JSON line."""
     import mmap
 
@@ -135,7 +137,7 @@ def export_split(params, work: Path, reps: int) -> None:
 
     out: dict[str, list[float]] = {k: [] for k in ("cat", "d2h_pageable", "d2h_pinned", "shm_fresh", "shm_populate",
                                                    "direct", "shm_write", "staged", "staged_pack",
-                                                   "direct_registered")}
+                                                   "spare_alloc", "staged_spare", "direct_registered")}
 
     def write_from(src) -> None:
         path = work / "split-write.bin"
@@ -151,6 +153,17 @@ def export_split(params, work: Path, reps: int) -> None:
         packed = pack_adapter(params, torch.float32)
         out["staged_pack"].append(time.perf_counter() - t0)
         write_packed(packed, path)
+        path.unlink()
+
+    def staged_spare() -> None:
+        path = work / "split-spare.bin"
+        path.unlink(missing_ok=True)
+        packed = pack_adapter(params, torch.float32)
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, packed.nbytes)
+        out["spare_alloc"].append(time.perf_counter() - t0)
+        out["staged_spare"].append(timed(lambda: write_packed(packed, path)))
         path.unlink()
 
     def to_file(name: str, src=None, populate: bool = False, register: bool = False) -> None:
@@ -181,6 +194,7 @@ def export_split(params, work: Path, reps: int) -> None:
         out["direct"].append(timed(lambda: to_file("direct")))
         out["shm_write"].append(timed(lambda: write_from(pinned)))
         out["staged"].append(timed(staged))
+        staged_spare()
     try:
         for _ in range(reps):
             out["direct_registered"].append(timed(lambda: to_file("registered", register=True)))

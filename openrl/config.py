@@ -139,6 +139,10 @@ class Settings(BaseSettings):
                                  "GPU under the engine lock, then writes it through a pinned host buffer after "
                                  "releasing the lock; false = the whole write under the lock, straight into the "
                                  "file's mapped pages (the earlier path, kept to compare)")
+    handoff_spares: int = Field(0, ge=0, le=16, description="with handoff_staged: pre-allocated tmpfs files kept per "
+                                "adapter size, made in the background after a save; a save writes over one instead "
+                                "of a new file, whose pages the kernel must first allocate and zero (0 = off; not "
+                                "yet measured through the stack on a GPU)")
     handoff_writers: int = Field(2, ge=1, le=16, description="with handoff_staged: most unnamed snapshots written at "
                                  "once; each holds a packed copy of its adapter on the GPU and a pinned host buffer "
                                  "of its size (a rank-32 Qwen3-4B adapter: 284 MB of each)")

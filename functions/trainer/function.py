@@ -102,7 +102,8 @@ class TrainerFunction:
         self.storage = open_storage(cfg.storage_url, cache_dir=cfg.cache_dir, write_through=cfg.colocated_sampler)
         handoff = SnapshotHandoff.from_settings(cfg)  # unnamed sampler snapshots through memory (one machine)
         self.snapshots = SnapshotWriter(handoff, self.storage, self._lock,
-                                        staged=cfg.handoff_staged, writers=cfg.handoff_writers) if handoff is not None else None
+                                        staged=cfg.handoff_staged, writers=cfg.handoff_writers,
+                                        spares=cfg.handoff_spares) if handoff is not None else None
         self.registry = registry or ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
         self.device = resolve_device(cfg.device)
         self.fused_kernels = cfg.fused_kernels

@@ -54,16 +54,20 @@ class SnapshotWriter:
         engine_lock: the lock that serialises engine computations (held while the adapter is
             packed; with ``staged=False`` for the whole write).
         staged: ``Settings.handoff_staged``. writers: ``Settings.handoff_writers`` (most
-            snapshots written at once).
+            snapshots written at once). spares: ``Settings.handoff_spares`` (pre-allocated
+            files kept per adapter size; a staged save writes over one: :meth:`SnapshotHandoff.
+            take_spare`, refilled in the background after each save).
     """
 
     def __init__(self, handoff: SnapshotHandoff, storage: Storage, engine_lock: asyncio.Lock, *,
-                 staged: bool = True, writers: int = 2):
+                 staged: bool = True, writers: int = 2, spares: int = 0):
         self.handoff = handoff
         self.storage = storage
         self._lock = engine_lock
         self.staged = staged
         self.writers = max(1, int(writers))
+        self.spares = max(0, int(spares)) if staged else 0
+        self._spare_task: asyncio.Task | None = None
         self._writers = asyncio.Semaphore(self.writers)
         self._sem = asyncio.Semaphore(PERSIST_CONCURRENCY)
         self._tasks: set[asyncio.Task] = set()
@@ -110,9 +114,19 @@ class SnapshotWriter:
         return True
 
     async def _put(self, engine, path: TinkerPath, nbytes: int, packed, meta: dict):
-        staged = self.staged
-        return await asyncio.to_thread(
-            self.handoff.put, path, nbytes, lambda d: engine.write_packed_snapshot(packed, d, staged=staged), meta)
+        staged, handoff = self.staged, self.handoff
+        fsize = packed[0].nbytes  # the weights file's exact size (header included)
+
+        def write(d: Path):
+            if self.spares:
+                handoff.take_spare(fsize, d / ADAPTER_WEIGHTS_NAME)
+            return engine.write_packed_snapshot(packed, d, staged=staged)
+
+        entry = await asyncio.to_thread(handoff.put, path, nbytes, write, meta)
+        if self.spares and (self._spare_task is None or self._spare_task.done()):
+            self._spare_task = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(handoff.make_spares, fsize, self.spares))  # off the answer's path
+        return entry
 
     def _persist_later(self, path: TinkerPath) -> None:
         if self.handoff.durable(path):
@@ -166,6 +180,8 @@ class SnapshotWriter:
 
     async def drain(self) -> None:
         """Wait for the background writes under way, then write what is still pending."""
+        if self._spare_task is not None:
+            await asyncio.gather(self._spare_task, return_exceptions=True)
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         await self.recover()

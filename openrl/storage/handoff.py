@@ -49,6 +49,7 @@ log = logging.getLogger("openrl.storage.handoff")
 META_NAME = ".meta.json"
 DURABLE_NAME = ".durable"
 PINS_DIR = ".pins"
+SPARES_DIR = ".spare"  # pre-allocated files a save writes into (Settings.handoff_spares)
 #: the default cap: this share of the tmpfs' size, and never more than DEFAULT_CAP_BYTES
 DEFAULT_SHARE = 0.25
 DEFAULT_CAP_BYTES = 16 << 30
@@ -225,6 +226,55 @@ class SnapshotHandoff:
                 shutil.rmtree(tmp, ignore_errors=True)
         return dest
 
+    # ------------------------------------------------------------------ spare files
+
+    def take_spare(self, nbytes: int, dest: Path) -> bool:
+        """Move a spare file of exactly ``nbytes`` bytes to ``dest`` (a new name on this file
+        system, e.g. in the directory :meth:`put` hands its writer). Its pages are allocated
+        already, so writing over them is a memcpy, where a new tmpfs file first has the kernel
+        allocate and zero every page (284 MB: 0.11-0.15 s, docs/benchmarks.md). True if one was
+        there; concurrent takers each get their own or none."""
+        d = self.root / SPARES_DIR
+        if not d.is_dir():
+            return False
+        for f in sorted(d.glob(f"{int(nbytes)}-*")):
+            try:
+                os.rename(f, dest)
+                return True
+            except FileNotFoundError:  # taken by a concurrent writer
+                continue
+        return False
+
+    def make_spares(self, nbytes: int, count: int) -> int:
+        """Allocate spare files of ``nbytes`` bytes (``posix_fallocate``: the pages are
+        allocated and zeroed now, off a save's path) until ``count`` of that size exist, within
+        ``max_bytes`` (spares count as used, and :meth:`make_room` drops them first) and the
+        file system's free space. Returns how many were made; an OSError (ENOSPC) stops it."""
+        d = self.root / SPARES_DIR
+        made = 0
+        d.mkdir(parents=True, exist_ok=True)
+        while len(list(d.glob(f"{int(nbytes)}-*"))) < count:
+            with self._room:
+                st = os.statvfs(self.root)
+                if self.size() + self._reserved + nbytes > self.max_bytes or \
+                        nbytes * 2 >= st.f_bavail * st.f_frsize:
+                    return made
+                self._reserved += nbytes
+            tmp = d / f".new-{threading.get_ident()}-{time.monotonic_ns()}"
+            try:
+                with open(tmp, "wb") as f:
+                    os.posix_fallocate(f.fileno(), 0, int(nbytes))
+                os.rename(tmp, d / f"{int(nbytes)}-{time.monotonic_ns()}")
+                made += 1
+            except OSError as exc:
+                log.info("snapshot handoff: no spare file of %d bytes (%s)", nbytes, exc)
+                tmp.unlink(missing_ok=True)
+                return made
+            finally:
+                with self._room:
+                    self._reserved -= nbytes
+        return made
+
     def mark_durable(self, path: TinkerPath) -> None:
         """Record that storage holds ``path`` (the entry may now be evicted)."""
         d = self.dir_of(path)
@@ -250,17 +300,30 @@ class SnapshotHandoff:
         return [e for e in self.entries() if not (e[1] / DURABLE_NAME).exists()]
 
     def size(self) -> int:
-        """Bytes of the entries' files."""
+        """Bytes of the entries' files and of the spare files."""
         return sum(f.stat().st_size for f in self.root.glob("*/*/*/*")
-                   if f.is_file() and f.parts[len(self.root.parts)] != PINS_DIR)
+                   if f.is_file() and f.parts[len(self.root.parts)] != PINS_DIR) + \
+            sum(_size_or_0(f) for f in self._spares())
+
+    def _spares(self) -> list[Path]:
+        d = self.root / SPARES_DIR
+        return sorted(d.iterdir()) if d.is_dir() else []
 
     def make_room(self, nbytes: int) -> bool:
-        """Evict durable entries older than ``keep_s``, oldest first, until ``nbytes`` more fit
-        under ``max_bytes`` and in the file system's free space. Returns whether they fit."""
+        """Drop spare files, then evict durable entries older than ``keep_s``, oldest first,
+        until ``nbytes`` more fit under ``max_bytes`` and in the file system's free space.
+        Returns whether they fit."""
         used = self.size()
         now = time.time()
         st = os.statvfs(self.root)
         free = st.f_bavail * st.f_frsize
+        for f in self._spares():
+            if used + nbytes <= self.max_bytes and nbytes < free:
+                break
+            n = _size_or_0(f)
+            f.unlink(missing_ok=True)
+            used -= n
+            free += n
         for _path, d, meta in self.entries():
             if used + nbytes <= self.max_bytes and nbytes < free:
                 break
@@ -274,3 +337,10 @@ class SnapshotHandoff:
     def clear(self) -> None:
         """Remove the whole directory (the stack stopped; storage holds what was durable)."""
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _size_or_0(f: Path) -> int:
+    try:
+        return f.stat().st_size
+    except FileNotFoundError:  # taken meanwhile
+        return 0

@@ -376,3 +376,69 @@ def test_sampler_pin_survives_an_unpin_already_under_way(tmp_path, monkeypatch):
 
     d = asyncio.run(go())
     assert load_file(d / "adapter_model.safetensors")
+
+
+def test_spare_files_are_made_taken_and_dropped_first(tmp_path):
+    """SnapshotHandoff.make_spares / take_spare: pre-allocated files of one size, counted in
+    size(), taken by rename (one each), and dropped before any entry when room is short."""
+    from openrl.storage.handoff import SPARES_DIR
+
+    handoff, _storage = _writer(tmp_path, max_bytes=10_000)
+    assert handoff.make_spares(3000, 2) == 2 and handoff.make_spares(3000, 2) == 0  # already there
+    assert handoff.size() == 6000
+    assert handoff.make_spares(5000, 1) == 0  # 6000 + 5000 > max_bytes: not made
+    dest = tmp_path / "taken.bin"
+    assert handoff.take_spare(3000, dest) and dest.stat().st_size == 3000
+    assert not handoff.take_spare(1234, tmp_path / "none.bin")  # no spare of that size
+    assert handoff.size() == 3000
+    p = _path()
+    assert handoff.make_room(9000)  # only by dropping the last spare
+    assert list((handoff.root / SPARES_DIR).iterdir()) == []
+    handoff.put(p, 1000, _fill(), _meta(p))
+    assert handoff.get(p) is not None
+
+
+def test_writing_over_a_spare_gives_the_same_file(tmp_path):
+    """write_packed into an existing (bigger, non-zero) file writes over it in place and cuts it
+    to size: the same bytes as a new file, on the same inode."""
+    packed = pack_adapter(_params(3))
+    write_packed(packed, tmp_path / "new.safetensors")
+    over = tmp_path / "over.safetensors"
+    over.write_bytes(b"\xff" * (packed.nbytes + 4096))
+    ino = over.stat().st_ino
+    assert write_packed(packed, over) == packed.nbytes
+    assert over.stat().st_ino == ino and over.read_bytes() == (tmp_path / "new.safetensors").read_bytes()
+
+
+def test_writer_with_spares_writes_the_next_snapshot_over_a_spare(tmp_path):
+    """SnapshotWriter(spares=1): after a save a spare of the weights file's size is made in the
+    background; the next save's weights file is that spare (same inode), with the right tensors."""
+    from openrl.storage.handoff import SPARES_DIR
+
+    handoff, storage = _writer(tmp_path)
+    lock = asyncio.Lock()
+
+    class Engine:
+        def adapter_nbytes(self, model_id):
+            return 1000
+
+        def pack_sampler_snapshot(self, model_id):
+            return pack_adapter(_params(int(model_id))), {"r": 4, "lora_alpha": 32, "target_modules": ["q_proj"]}
+
+        write_packed_snapshot = staticmethod(_write_snapshot)
+
+    async def go():
+        w = SnapshotWriter(handoff, storage, lock, spares=1)
+        assert await w.save(Engine(), "0", _path("s0-0"), seq_id=0, owner="o1", ttl_seconds=None, extra={})
+        await w.drain()
+        (spare,) = list((handoff.root / SPARES_DIR).iterdir())
+        ino = spare.stat().st_ino
+        assert await w.save(Engine(), "1", _path("s1-0"), seq_id=1, owner="o1", ttl_seconds=None, extra={})
+        f = handoff.dir_of(_path("s1-0")) / "adapter_model.safetensors"
+        assert f.stat().st_ino == ino
+        back = load_file(f)
+        assert all(torch.equal(back[k], v) for k, v in _params(1))
+        await w.drain()
+        assert len(list((handoff.root / SPARES_DIR).iterdir())) == 1  # refilled
+
+    asyncio.run(go())

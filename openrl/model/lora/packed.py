@@ -145,7 +145,9 @@ def write_packed(packed: PackedAdapter, path: Path, staging: HostStaging | None 
 
     CUDA buffers, ``staged`` (the default): a side stream waits for :attr:`PackedAdapter.ready`,
     copies the data into a pinned buffer of ``staging`` (default: the process's pool), and the
-    file gets the prefix and the pinned bytes in one ``write`` each. Not ``staged`` (the path
+    file gets the prefix and the pinned bytes in one ``write`` each. A file already at ``path``
+    (a pre-allocated spare, :meth:`openrl.storage.handoff.SnapshotHandoff.take_spare`) is written
+    over in place and cut to the size, so its pages are reused. Not ``staged`` (the path
     before issue 31's second step, kept to compare): the file is created at its size,
     memory-mapped, and the data copied from the device straight into its pages on the current
     stream. CPU buffers are written from their own memory.
@@ -160,11 +162,13 @@ def write_packed(packed: PackedAdapter, path: Path, staging: HostStaging | None 
     n = flat.numel()
     path = Path(path)
     if flat.device.type != "cuda":
-        with open(path, "wb") as f:
+        with _open_over(path) as f:
             f.write(packed.prefix)
             f.write(memoryview(flat.contiguous().numpy()))
+            f.truncate(packed.nbytes)
         return packed.nbytes
     if not staged:
+        path.unlink(missing_ok=True)
         return _write_mapped(packed, path)
     staging = staging or _STAGING
     buf = staging.take(n)
@@ -178,12 +182,22 @@ def write_packed(packed: PackedAdapter, path: Path, staging: HostStaging | None 
             done = torch.cuda.Event()
             done.record(side)
         done.synchronize()
-        with open(path, "wb") as f:
+        with _open_over(path) as f:
             f.write(packed.prefix)
             f.write(memoryview(buf[:n].numpy()))
+            f.truncate(packed.nbytes)
     finally:
         staging.give(buf)
     return packed.nbytes
+
+
+def _open_over(path: Path):
+    """``path`` opened for writing from its start: an existing file in place (``r+b``: its pages
+    are kept), else a new one."""
+    try:
+        return open(path, "r+b")
+    except FileNotFoundError:
+        return open(path, "wb")
 
 
 def _write_mapped(packed: PackedAdapter, path: Path) -> int:
