@@ -104,7 +104,9 @@ def busy(before: dict, after: dict, wall_s: float, steps: int) -> dict:
                      "busy_fraction": round(d / wall_s, 3) if wall_s > 0 else None}
         # where the snapshots went (trainer) and what loading them cost (sampler), same interval
         keys = {"trainer": (('openrl_trainer_snapshot_saves_total{path="memory"}', "snapshots_memory"),
-                            ('openrl_trainer_snapshot_saves_total{path="storage"}', "snapshots_storage")),
+                            ('openrl_trainer_snapshot_saves_total{path="storage"}', "snapshots_storage"),
+                            ("openrl_trainer_packed_runs_count", "passes"),
+                            ("openrl_trainer_packed_runs_sum", "packed_runs")),
                 "sampler": (("openrl_sampler_adapter_load_seconds_count", "adapter_loads"),
                             ("openrl_sampler_adapter_load_seconds_sum", "adapter_load_s"),
                             ('openrl_sampler_adapter_load_part_seconds_sum{part="check"}', "adapter_check_s"),
@@ -113,6 +115,8 @@ def busy(before: dict, after: dict, wall_s: float, steps: int) -> dict:
             bv, av = before.get(name, {}).get(key), after.get(name, {}).get(key)
             if av is not None:
                 out[name][label] = round(av - (bv or 0.0), 3)
+        if out[name].get("passes"):  # runs per forward(_backward) pass, on average (1 = no packing)
+            out[name]["runs_per_pass"] = round(out[name]["packed_runs"] / out[name]["passes"], 2)
     return out
 
 
