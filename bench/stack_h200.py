@@ -463,27 +463,8 @@ def s_sample(svc, s: Serve, a, ctx: dict) -> None:
 def breakdown(s: Serve, t_from: float, t_to: float) -> None:
     """Diagnostics (not the SDK): the futures bucket's accept / take-up / answer times of the
     sample requests of one round (gateway -> JetStream -> sampler -> result)."""
-    import asyncio
-
-    async def go():
-        from openrl.transport.bus import FUTURES_BUCKET, Bus, FutureRecord
-
-        nats = json.loads((s.state / "ports.json").read_text())["nats"]
-        bus = await Bus(nats).connect()
-        try:
-            rows = []
-            for k in await bus.kv_keys(FUTURES_BUCKET):
-                e = await bus.futures.get(k)
-                rec = FutureRecord.decode(e.value)
-                m = rec.meta or {}
-                if rec.op == "sample" and m.get("t0") and t_from - 0.02 <= m["t0"] <= t_to and m.get("t1"):
-                    rows.append((m["t0"], m.get("ts", m["t0"]), m["t1"]))
-            return rows
-        finally:
-            await bus.close()
-
     try:
-        rows = asyncio.run(go())
+        rows = [(t0, ts, t1) for op, t0, ts, t1 in shapes.future_times(s, t_from - 0.02, t_to) if op == "sample"]
     except Exception as e:  # noqa: BLE001
         log(what="sample_breakdown", error=f"{type(e).__name__}: {e}")
         return

@@ -120,14 +120,10 @@ def busy(before: dict, after: dict, wall_s: float, steps: int) -> dict:
     return out
 
 
-def futures_by_op(s, u_from: float, u_to: float) -> dict:
-    """Where the requests accepted in ``[u_from, u_to]`` (unix seconds) spent their time, per
-    operation, from the futures bucket (not the SDK): ``{op: {"n", "queued_s", "handled_s"}}`` with
-    quantiles (:func:`quantiles`, seconds) of ``queued_s`` (the gateway accepted it, ``t0`` ->
-    a worker took it up, ``ts``) and ``handled_s`` (``ts`` -> the answer landed, ``t1``; for the
-    trainer this includes its hold window, the wait for the engine lock and the pass). What the
-    client's step time has beyond these is the SDK's own round trips (submit, long-poll). Returns
-    ``{"error": ...}`` when the bucket cannot be read."""
+def future_times(s, u_from: float, u_to: float) -> list[tuple[str, float, float, float]]:
+    """``(op, t0, ts, t1)`` of every answered request the gateway accepted in ``[u_from, u_to]``
+    (unix seconds), from the futures bucket (not the SDK): ``t0`` accepted, ``ts`` taken up by a
+    worker (``t0`` when not recorded), ``t1`` answered. Raises what reading the bucket raises."""
     import asyncio
 
     async def go():
@@ -136,23 +132,36 @@ def futures_by_op(s, u_from: float, u_to: float) -> dict:
         nats = json.loads((Path(s.state) / "ports.json").read_text())["nats"]
         bus = await Bus(nats).connect()
         try:
-            rows: dict[str, list[tuple[float, float]]] = {}
+            rows = []
             for k in await bus.kv_keys(FUTURES_BUCKET):
                 e = await bus.futures.get(k)
                 rec = FutureRecord.decode(e.value)
                 m = rec.meta or {}
-                t0, ts, t1 = m.get("t0"), m.get("ts"), m.get("t1")
+                t0, t1 = m.get("t0"), m.get("t1")
                 if t0 and t1 and u_from <= t0 <= u_to:
-                    ts = ts or t0
-                    rows.setdefault(rec.op or "?", []).append((ts - t0, t1 - ts))
+                    rows.append((rec.op or "?", t0, m.get("ts") or t0, t1))
             return rows
         finally:
             await bus.close()
 
+    return asyncio.run(go())
+
+
+def futures_by_op(s, u_from: float, u_to: float) -> dict:
+    """Where the requests accepted in ``[u_from, u_to]`` (unix seconds) spent their time, per
+    operation (:func:`future_times`): ``{op: {"n", "queued_s", "handled_s"}}`` with quantiles
+    (:func:`quantiles`, seconds) of ``queued_s`` (the gateway accepted it, ``t0`` -> a worker
+    took it up, ``ts``) and ``handled_s`` (``ts`` -> the answer landed, ``t1``; for the trainer
+    this includes its hold window, the wait for the engine lock and the pass). What the client's
+    step time has beyond these is the SDK's own round trips (submit, long-poll). Returns
+    ``{"error": ...}`` when the bucket cannot be read."""
     try:
-        rows = asyncio.run(go())
+        times = future_times(s, u_from, u_to)
     except Exception as e:  # noqa: BLE001 - diagnostics only
         return {"error": f"{type(e).__name__}: {e}"}
+    rows: dict[str, list[tuple[float, float]]] = {}
+    for op, t0, ts, t1 in times:
+        rows.setdefault(op, []).append((ts - t0, t1 - ts))
     return {op: {"n": len(v), "queued_s": quantiles([q for q, _ in v]), "handled_s": quantiles([h for _, h in v])}
             for op, v in sorted(rows.items())}
 

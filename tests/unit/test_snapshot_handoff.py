@@ -66,8 +66,7 @@ def test_packing_is_a_snapshot(tmp_path):
 
 
 def test_host_staging_reuses_a_buffer_that_fits():
-    st = HostStaging.__new__(HostStaging)
-    HostStaging.__init__(st)
+    st = HostStaging()
     a = torch.empty(100, dtype=torch.uint8)  # stand-ins for pinned buffers (no CUDA here)
     st.give(a)
     assert st.take(80) is a and st._free == []
