@@ -110,6 +110,7 @@ def busy(before: dict, after: dict, wall_s: float, steps: int) -> dict:
                 "sampler": (("openrl_sampler_adapter_load_seconds_count", "adapter_loads"),
                             ("openrl_sampler_adapter_load_seconds_sum", "adapter_load_s"),
                             ('openrl_sampler_adapter_load_part_seconds_sum{part="check"}', "adapter_check_s"),
+                            ('openrl_sampler_adapter_load_part_seconds_sum{part="preload"}', "adapter_preload_s"),
                             ('openrl_sampler_adapter_load_part_seconds_sum{part="engine"}', "adapter_engine_s"))}
         for key, label in keys[name]:
             bv, av = before.get(name, {}).get(key), after.get(name, {}).get(key)

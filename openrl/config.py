@@ -122,6 +122,9 @@ class Settings(BaseSettings):
                     "reported by get_server_capabilities")
     vllm_max_loras: int | None = Field(None, ge=1, description="vLLM max_loras")
     vllm_max_lora_rank: int | None = Field(None, ge=1, description="vLLM max_lora_rank")
+    vllm_preload: bool = Field(False, description="vLLM builds each adapter (read, cast, pin, pack) in a background "
+                               "thread of its worker before add_lora, so the engine core's loop, where every run "
+                               "decodes, only registers it (functions/sampler/backends/vllm_preload.py)")
     vllm_unembed_lora: str | None = Field(None, description="keep (vLLM applies the lm_head LoRA, checked on first use) or fallback (such adapters are sampled with transformers); functions/sampler/backends/vllm.py")
 
     # ----- transport --------------------------------------------------------------------

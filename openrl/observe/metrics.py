@@ -124,8 +124,9 @@ SNAPSHOT_SOURCE = Counter("openrl_sampler_snapshot_source", "Sample requests on 
 ADAPTER_LOAD_SECONDS = Histogram("openrl_sampler_adapter_load_seconds", "Seconds the sampler's backend took to "
                                  "load one adapter (vLLM: add_lora, read + cast + pin)", buckets=LATENCY_BUCKETS)
 ADAPTER_LOAD_PART_SECONDS = Histogram("openrl_sampler_adapter_load_part_seconds", "Seconds of one adapter load by "
-                                      "part (vLLM: check = reading adapter_config.json in a thread; engine = the "
-                                      "add_lora call to vLLM's engine core, its queue behind engine steps included)",
+                                      "part (vLLM: check = reading adapter_config.json in a thread; preload = waiting for the "
+                                      "background build in vLLM's worker, OPENRL_VLLM_PRELOAD; engine = the add_lora "
+                                      "call to vLLM's engine core, its queue behind engine steps included)",
                                       ["part"], buckets=LATENCY_BUCKETS)
 ADAPTER_CACHE = Counter("openrl_sampler_adapter_cache", "Sampler adapter lookups (hit: already loaded)", ["result"])
 FUNCTION_INFO = Info("openrl_function", "What a function runs on (device, dtype, backend), from its describe()",

@@ -257,7 +257,7 @@ def test_load_adapter_times_its_parts(exported, monkeypatch):
 
     be = VLLMBackend.__new__(VLLMBackend)
     be.engine, be._ids, be._requests, be._next_id = Engine(), {}, {}, 1
-    be.max_lora_rank, be.unembed_lora, be._unembed_keys = 32, "fallback", set()
+    be.max_lora_rank, be.unembed_lora, be._unembed_keys, be.preload = 32, "fallback", set(), False
 
     def total(part):
         return metrics.ADAPTER_LOAD_PART_SECONDS.labels(part)._sum.get()

@@ -78,6 +78,7 @@ from functions.sampler.backends.vllm_convert import (
     unsupported_field,
 )
 from functions.sampler.backends.unembed_check import check_unembed
+from functions.sampler.backends.vllm_preload import EXTENSION_QUALNAME
 from functions.sampler.backends.vllm_settings import (
     CUDAGRAPH_SIZES,
     DEFAULT_GPU_MEMORY,
@@ -94,6 +95,10 @@ from openrl.config import Settings
 from openrl.errors import ServerError, UserError
 
 log = logging.getLogger(__name__)
+
+#: Longest wait, seconds, for a background adapter build (``OPENRL_VLLM_PRELOAD``) before the load
+#: fails: a 4B model's rank-32 adapter builds in well under a second.
+PRELOAD_WAIT_S = 120.0
 
 
 # ---------------------------------------------------------------------------- backend
@@ -129,6 +134,8 @@ class VLLMBackend:
             CUDA-graph capture sizes default to :func:`capture_sizes` of ``max_num_seqs``.
         cache_dir: where the unembedding check writes its probe adapter (default: a
             temporary directory).
+        preload: build adapters in a background thread of vLLM's worker before ``add_lora``
+            (:mod:`.vllm_preload`; default ``OPENRL_VLLM_PRELOAD``, off).
 
     vLLM's compile cache goes to ``$OPENRL_HOME/cache/vllm`` unless ``VLLM_CACHE_ROOT`` is
     set (:func:`configure_vllm_env`).
@@ -150,6 +157,7 @@ class VLLMBackend:
         enforce_eager: bool = False,
         engine_kwargs: Mapping[str, Any] | None = None,
         cache_dir: Path | None = None,
+        preload: bool | None = None,
     ):
         configure_vllm_env()  # before the first vLLM import: the compile cache in the state dir
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -197,6 +205,12 @@ class VLLMBackend:
             seed=0,
         )
         kw.update(settings)
+        self.preload = Settings().vllm_preload if preload is None else bool(preload)
+        if self.preload:
+            kw.setdefault("worker_extension_cls", EXTENSION_QUALNAME)
+            if kw["worker_extension_cls"] != EXTENSION_QUALNAME:
+                raise ValueError(f"OPENRL_VLLM_PRELOAD needs worker_extension_cls={EXTENSION_QUALNAME}, "
+                                 f"engine_kwargs set {kw['worker_extension_cls']!r}")
         self.engine_args = kw
         log.info("vLLM engine: max_num_seqs=%s max_loras=%s gpu_memory_utilization=%s cache=%s",
                  kw["max_num_seqs"], kw["max_loras"], kw["gpu_memory_utilization"], os.environ.get("VLLM_CACHE_ROOT"))
@@ -222,20 +236,33 @@ class VLLMBackend:
         t0 = time.perf_counter()
         info = await asyncio.to_thread(prepare_adapter, Path(directory), max_rank=self.max_lora_rank)
         t1 = time.perf_counter()
-        await self._register(key, Path(directory))
+        waited = await self._register(key, Path(directory))
+        t2 = time.perf_counter()
         metrics.ADAPTER_LOAD_PART_SECONDS.labels("check").observe(t1 - t0)
-        metrics.ADAPTER_LOAD_PART_SECONDS.labels("engine").observe(time.perf_counter() - t1)
+        if self.preload:
+            metrics.ADAPTER_LOAD_PART_SECONDS.labels("preload").observe(waited)
+        metrics.ADAPTER_LOAD_PART_SECONDS.labels("engine").observe(t2 - t1 - waited)
+        log.info("adapter %s loaded in %.3f s: check %.3f s, preload %.3f s, engine %.3f s", key, t2 - t0,
+                 t1 - t0, waited, t2 - t1 - waited)
         if info["unembed"]:
             self._unembed_keys.add(key)
             if self.unembed_lora == "keep" and self.unembed_check == "not run":
                 await self._check_unembed(key, Path(directory))
 
-    async def _register(self, key: str, path: Path) -> None:
+    async def _register(self, key: str, path: Path) -> float:
+        """Register adapter ``key`` (PEFT directory ``path``) with vLLM under a new LoRA id; with
+        ``preload`` on, have the worker build it in the background first (:meth:`_preload`).
+        Returns the seconds spent waiting for that build (0.0 without preload).
+
+        Raises:
+            UserError("model_path", ...): vLLM could not load or refused the adapter.
+        """
         from vllm.lora.request import LoRARequest
 
         lid = self._next_id
         self._next_id += 1
         req = LoRARequest(lora_name=key, lora_int_id=lid, lora_path=str(path))
+        waited = await self._preload(key, lid, path) if self.preload else 0.0
         try:
             ok = await self.engine.add_lora(req)
         except Exception as e:
@@ -244,6 +271,31 @@ class VLLMBackend:
             raise UserError("model_path", "vLLM refused the adapter")
         self._ids[key] = lid
         self._requests[key] = req
+        return waited
+
+    async def _preload(self, key: str, lid: int, path: Path) -> float:
+        """Have vLLM's worker build adapter ``lid`` in a background thread of the engine-core
+        process (:mod:`.vllm_preload`) and wait, polling, until it is built or failed; the
+        ``add_lora`` that follows then only registers it on the engine core's loop (a failed build
+        is raised by that ``add_lora``). Returns the seconds waited.
+
+        Raises:
+            UserError("model_path", ...): the build is still not done after
+                :data:`PRELOAD_WAIT_S` (the preload is dropped).
+        """
+        t0 = time.perf_counter()
+        await self.engine.collective_rpc("openrl_preload_lora", args=(key, lid, str(path)))
+        pause = 0.002
+        while True:
+            states = await self.engine.collective_rpc("openrl_preload_state", args=(lid,))
+            if all(st != "pending" for st in states):
+                return time.perf_counter() - t0
+            if time.perf_counter() - t0 > PRELOAD_WAIT_S:
+                await self.engine.collective_rpc("openrl_preload_drop", args=(lid,))
+                raise UserError("model_path", f"vLLM's worker did not finish reading the adapter within "
+                                f"{PRELOAD_WAIT_S:.0f} s (OPENRL_VLLM_PRELOAD)")
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.02)
 
     async def _check_unembed(self, key: str, directory: Path) -> None:
         """Does this vLLM apply the unembedding LoRA to sampled tokens? Runs
