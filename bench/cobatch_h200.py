@@ -21,6 +21,8 @@ Sections (``--sections``, default all):
   ragged    8 runs x 1 sequence of 256..1024 tokens (right-padded batch)
   optim     optim_step of 8 runs, one after another
   profile   torch.profiler table of one 8-run co-batched step (profile_cobatch8.txt)
+  rl        the stack's RL step on the trainer (N = 1, 8 runs x 16 datums x 191 tokens): forward_backward,
+            optim_step_many, snapshot packing, per-row cost, micro-batch caps, profiles (--rl-profile; profile_rl_RUNS_CAP.txt)
 
 Configurations: "optimised" = grouped-GEMM multi-LoRA (``openrl.model.lora.ops.MULTI_ADAPTER_MODE =
 "auto"``), fused logprob head (``openrl.model.logprobs.FUSED_LOGPROB``), compiled pointwise
@@ -355,6 +357,109 @@ class Bench:
             times.append(time.perf_counter() - t)
         log(what="optim_step_8_runs", s_median=round(statistics.median(times), 4), per_run_ms=round(1000 * statistics.median(times) / 8, 1))
 
+    def s_rl(self) -> None:
+        """The trainer's work of one RL step of ``bench/stack_h200.py`` (fixed shapes: 4 prompts x 4
+        samples, 64 + 128 - 1 = 191 tokens a datum, 16 datums a run, importance_sampling with the
+        sampler's logprobs, rank 32, train_unembed=False), N = 1 and 8 runs in one pass, as the
+        stack's trainer runs it: forward_backward, optim_step_many of the N runs, the N snapshots
+        packed; beside it the same tokens as one long row per run (what per-row work costs), and
+        the 8-run pass under smaller micro-batch caps (what a cap that fits a shared GPU costs).
+        Then one 8-run step under torch.profiler: the engine's ranges (``openrl.trainer.*``:
+        prepare, batch, forward, loss_rows, backward, optim, pack) in host milliseconds, the
+        device's busy milliseconds, and the host syncs (profile_rl_RUNS_CAP.txt)."""
+        self.config("optimised")
+        T = 16 if self.args.tiny else 191
+        rows = 16
+        cap0 = self.engine.max_tokens
+        for n in (1, 8):
+            runs = self.runs[:n]
+            items = [self.item(r, rows, lengths=[T] * rows) for r in runs]
+            fb = self.timed(lambda: self.step(items))
+            long_items = [self.item(r, 1, lengths=[T * rows]) for r in runs]
+            fb_long = self.timed(lambda: self.step(long_items))
+            opt, pack = [], []
+            for _ in range(3):
+                self.step(items)
+                sync()
+                t = time.perf_counter()
+                self.engine.optim_step_many([(r, {"learning_rate": 1e-5}) for r in runs])
+                sync()
+                opt.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                snaps = [self.engine.pack_sampler_snapshot(r) for r in runs]
+                sync()
+                pack.append(time.perf_counter() - t)
+                del snaps
+            tok = n * rows * T
+            log(what="rl_trainer_step", runs=n, datums=n * rows, tokens=tok,
+                forward_backward_s=round(fb["s_median"], 4), tokens_per_s=round(tok / fb["s_median"]),
+                long_rows_s=round(fb_long["s_median"], 4), long_rows_tokens_per_s=round(tok / fb_long["s_median"]),
+                per_row_ms=round(1000 * (fb["s_median"] - fb_long["s_median"]) / (n * rows - n), 2),
+                optim_step_many_s=round(statistics.median(opt), 4), pack_s=round(statistics.median(pack), 4),
+                peak_mem_gb=fb.get("peak_mem_gb"), long_peak_mem_gb=fb_long.get("peak_mem_gb"))
+        items = [self.item(r, rows, lengths=[T] * rows) for r in self.runs]
+        for cap in (16384, 8192, 4096):
+            self.engine.max_tokens = cap
+            r = self.timed(lambda: self.step(items), reps=3, warmup=1)
+            log(what="rl_trainer_cap", runs=8, max_tokens=cap, s=round(r["s_median"], 4),
+                tokens_per_s=round(8 * rows * T / r["s_median"]), peak_mem_gb=r.get("peak_mem_gb"))
+        self.engine.max_tokens = cap0
+        for spec in self.args.rl_profile.split(","):  # "runs@cap", e.g. 8@16384
+            n, _, cap = spec.partition("@")
+            self.engine.max_tokens = int(cap or cap0)
+            runs = self.runs[: int(n)]
+            self._profile_rl([self.item(r, rows, lengths=[T] * rows) for r in runs], runs, spec)
+        self.engine.max_tokens = cap0
+
+    def _profile_rl(self, items, runs, label: str) -> None:
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dev == "cuda" else [])
+
+        def one() -> None:
+            self.step(items)
+            with record_function("openrl.trainer.optim"):
+                self.engine.optim_step_many([(r, {"learning_rate": 1e-5}) for r in runs])
+            with record_function("openrl.trainer.pack"):
+                [self.engine.pack_sampler_snapshot(r) for r in runs]
+            sync()
+
+        one()
+        sync()
+        t = time.perf_counter()
+        one()
+        wall_plain = time.perf_counter() - t
+        t = time.perf_counter()
+        with profile(activities=acts) as prof:
+            one()
+        wall = time.perf_counter() - t
+        ka = prof.key_averages()
+        ranges = {e.key: round(e.cpu_time_total / 1000, 1) for e in ka if e.key.startswith("openrl.trainer.")}
+        counts = {e.key: e.count for e in ka if e.key.startswith("openrl.trainer.")}
+        dev_ms = sum(getattr(e, "self_device_time_total", 0) or 0 for e in ka
+                     if str(getattr(e, "device_type", "")).endswith("CUDA")) / 1000
+        if not dev_ms:  # kernels not listed apart: every op's own device time, each kernel counted once
+            dev_ms = sum(getattr(e, "self_device_time_total", 0) or 0 for e in ka) / 1000
+        syncs = {e.key: {"n": e.count, "cpu_ms": round(e.cpu_time_total / 1000, 1)} for e in ka
+                 if e.key in ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+                              "aten::to", "aten::_to_copy", "aten::copy_", "cudaMemcpyAsync", "cudaLaunchKernel",
+                              "aten::nonzero", "aten::isfinite")}
+        gpu_ranges = {e.key: round((getattr(e, "device_time_total", 0) or 0) / 1000, 1) for e in ka
+                      if e.key.startswith("openrl.trainer.")}
+        log(what="rl_trainer_profile", profile=label, wall_ms=round(1000 * wall_plain, 1),
+            wall_ms_profiled=round(1000 * wall, 1), ranges_host_ms=ranges, ranges_gpu_ms=gpu_ranges,
+            range_counts=counts, device_busy_ms=round(dev_ms, 1), host_ops=syncs)
+        tables = []
+        for key in (("self_device_time_total", "self_cuda_time_total") if self.dev == "cuda" else ()) + ("cpu_time_total",):
+            try:
+                tables.append(f"sorted by {key}\n" + ka.table(sort_by=key, row_limit=40, max_name_column_width=60))
+            except Exception:
+                continue
+        text = "\n\n".join(tables)
+        if OUT is not None:
+            (OUT / f"profile_rl_{label.replace('@', '_')}.txt").write_text(text)
+        print(text[:3000], flush=True)
+
     def s_profile(self) -> None:
         from torch.profiler import ProfilerActivity, profile
 
@@ -389,6 +494,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16384, help="engine micro-batch cap (padded tokens)")
     ap.add_argument("--chunk-tokens", type=int, default=4096, help="vocabulary projection chunk")
+    ap.add_argument("--rl-profile", default="8@16384,8@4096,1@16384",
+                    help="rl section: the passes profiled, RUNS@MAX_TOKENS, comma-separated")
     ap.add_argument("--sections", default="check,cobatch,ablate,full,ragged,optim,big,profile")
     args = ap.parse_args()
     OUT = Path(args.out)

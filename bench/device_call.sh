@@ -32,6 +32,7 @@ STEPS=(
   "stack-after-conform|-||after conform-C (vLLM complete, the stack's wheels and the model in place): stops conform-C's serve, then stack_h200.py with vLLM sharing conform-C's vLLM compile cache; ARGS (default --sections rl,sample --rl-runs 1,8 --shapes fixed,varied --warmup 1 --breakdown --no-direct); AB_ENV="VAR=value ...": the RL rows with the defaults, then with AB_ENV set, same job (HANDOFF_AB=1: AB_ENV=OPENRL_HANDOFF_DIR=off); out: stack.jsonl, stack.md [default/, ab/], logsS.tgz"
   "stack-lora-probe|-||after conform-C (vLLM complete, the model in place; after stack-after-conform, whose stack is then stopped): bench/vllm_lora_load.py, where vLLM's adapter load goes (fp32 vs bf16 file, split into read, cast + pin, merge, activate) and the trainer-side export costs; PROBE_ARGS; out: lora_load.jsonl, logsP.tgz"
   "stack-export-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, the model, bench/vllm_lora_load.py --no-vllm: the trainer's export of an unnamed snapshot split (torch.cat, device-to-host pageable / pinned, tmpfs page faults, MAP_POPULATE, cudaHostRegister); out: lora_load.jsonl"
+  "engine-rl-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, then bench/cobatch_h200.py --sections rl: the trainer's share of one RL step (1 and 8 runs x 16 datums x 191 tokens: forward_backward, optim_step_many, snapshot packing, per-row cost, micro-batch caps, torch.profiler splits by the engine's ranges); RL_ARGS; out: cobatch.jsonl, profile_rl_*.txt, logsE.tgz"
   "conform-R|.gpu|bench/conform_call.sh R|one call on a fresh machine, no vLLM: conform-A's set-up, then RFILES (filtered by RK) against a transformers-sampler stack; out: R/, logsR.tgz"
 )
 
@@ -346,6 +347,25 @@ step_stack_export_probe() {
   el "done"
 }
 
+# engine-rl-probe: where the trainer's busy seconds of an RL step go, on the engine alone (no vLLM, no stack;
+# the stack's own numbers come from stack-after-conform). Fresh machine, one call.
+step_engine_rl_probe() {
+  L=$WORK/logsE; rm -rf "$L"; mkdir -p "$L"
+  el start; gpu_info
+  if [ "$DRY" != 1 ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$STK" .gpu/wheels/*.whl > "$L/pip.log" 2>&1
+    el "stack wheels rc=$?"
+  fi
+  stack_path
+  local tiny=""; [ "$DRY" = 1 ] && tiny=--tiny
+  # shellcheck disable=SC2086
+  timeout -k 15 $(( $(left) - 20 )) "$PY" bench/cobatch_h200.py $tiny --sections rl --out "$O" ${RL_ARGS:---reps 3} \
+    > "$L/rl.log" 2>&1; el "rl probe rc=$?"
+  grep '^{' "$L/rl.log" | cut -c1-1500
+  grep -v -E "^\s+(File|\^)" "$L/rl.log" | grep -i -E -B2 -A8 "Traceback|Error" | head -30
+  pack_logs logsE "$L"; el "done"
+}
+
 # ---- the GPU conformance chain (issue 22, docs/gpu-conformance.md) -----------------------------------------
 # Four device calls in a row on ONE warm H200 machine (it is given back 30 s after a call: start each call as
 # soon as the last returns). Payload: bench/stack_payload.sh, then bench/conform_payload.sh (here).
@@ -491,6 +511,6 @@ cd "$(dirname "$0")/.."
 case $STEP in
   cobatch-peft) step_cobatch_peft "$@" ;;
   sampler-hf-vllm) step_sampler_hf_vllm "$@" ;;
-  stack-*) source bench/stack_env.sh; "step_${STEP//-/_}" "$@" ;;
+  stack-*|engine-*) source bench/stack_env.sh; "step_${STEP//-/_}" "$@" ;;
   conform-*) source bench/stack_env.sh; step_conform "${STEP#conform-}" ;;
 esac

@@ -122,9 +122,11 @@ class Settings(BaseSettings):
                     "reported by get_server_capabilities")
     vllm_max_loras: int | None = Field(None, ge=1, description="vLLM max_loras")
     vllm_max_lora_rank: int | None = Field(None, ge=1, description="vLLM max_lora_rank")
-    vllm_preload: bool = Field(False, description="vLLM builds each adapter (read, cast, pin, pack) in a background "
+    vllm_preload: bool = Field(True, description="vLLM builds each adapter (read, cast, pin, pack) in a background "
                                "thread of its worker before add_lora, so the engine core's loop, where every run "
-                               "decodes, only registers it (functions/sampler/backends/vllm_preload.py)")
+                               "decodes, only registers it (functions/sampler/backends/vllm_preload.py; measured "
+                               "through the stack on an H100: the loop's part of a load 0.66 s -> 0.02 s with one "
+                               "RL run; 0 = vLLM's own add_lora does it all on the loop)")
     vllm_unembed_lora: str | None = Field(None, description="keep (vLLM applies the lm_head LoRA, checked on first use) or fallback (such adapters are sampled with transformers); functions/sampler/backends/vllm.py")
 
     # ----- transport --------------------------------------------------------------------
@@ -142,10 +144,10 @@ class Settings(BaseSettings):
                                  "GPU under the engine lock, then writes it through a pinned host buffer after "
                                  "releasing the lock; false = the whole write under the lock, straight into the "
                                  "file's mapped pages (the earlier path, kept to compare)")
-    handoff_spares: int = Field(0, ge=0, le=16, description="with handoff_staged: pre-allocated tmpfs files kept per "
+    handoff_spares: int = Field(2, ge=0, le=16, description="with handoff_staged: pre-allocated tmpfs files kept per "
                                 "adapter size, made in the background after a save; a save writes over one instead "
-                                "of a new file, whose pages the kernel must first allocate and zero (0 = off; not "
-                                "yet measured through the stack on a GPU)")
+                                "of a new file, whose pages the kernel must first allocate and zero (0 = off; "
+                                "docs/benchmarks.md, issue 31's fourth session)")
     handoff_writers: int = Field(2, ge=1, le=16, description="with handoff_staged: most unnamed snapshots written at "
                                  "once; each holds a packed copy of its adapter on the GPU and a pinned host buffer "
                                  "of its size (a rank-32 Qwen3-4B adapter: 284 MB of each)")

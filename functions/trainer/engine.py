@@ -36,6 +36,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from functions.trainer import losses
 from functions.trainer.mismatch import MismatchStats, sampled_token_mask, sampler_logprobs_of
@@ -316,7 +317,8 @@ class TrainerEngine:
         return results, configs, all_rows
 
     def _forward_backward(self, items: Sequence[FwdBwdItem]) -> list[FwdBwdResult]:
-        results, configs, all_rows = self._prepare_all(items)
+        with record_function("openrl.trainer.prepare"):
+            results, configs, all_rows = self._prepare_all(items)
         valid = [i for i in range(len(items)) if results[i].error is None]
         for i in valid:
             results[i].loss_fn_outputs = [{} for _ in items[i].datums]
@@ -405,6 +407,16 @@ class TrainerEngine:
         ``needs_grad`` the forward keeps its graph for the runs whose rows train. An empty ``mb``
         runs one pad token with no adapter (B = 1): a rank of the distributed engine with no rows
         keeps its collectives in step."""
+        with record_function("openrl.trainer.batch"):
+            mb, ids, mask, tgt, row_adapters, no_grad_adapters = self._pad_micro_batch(mb, items)
+        with torch.set_grad_enabled(needs_grad), record_function("openrl.trainer.forward"):
+            lp = target_logprobs(self.model, ids, tgt, mask, row_adapters,
+                                 no_grad_adapters=no_grad_adapters, chunk_tokens=self.chunk_tokens)
+        return mb, lp
+
+    def _pad_micro_batch(self, mb: list[_Row], items: Sequence[FwdBwdItem]):
+        """``(rows, ids [B, T] int64, mask [B, T], targets [B, T, K] int64, row adapters, no-grad
+        adapters)`` of one micro-batch, its rows grouped by run (see :meth:`_micro_batch_logprobs`)."""
         first_seen: dict[str, int] = {}
         for r in mb:
             first_seen.setdefault(items[r.item].model_id, len(first_seen))
@@ -425,10 +437,7 @@ class TrainerEngine:
                 tgt[b, : r.n, 0] = tt
             else:
                 tgt[b, : r.n, : tt.shape[1]] = tt
-        with torch.set_grad_enabled(needs_grad):
-            lp = target_logprobs(self.model, ids, tgt, mask, row_adapters,
-                                 no_grad_adapters=no_grad_adapters, chunk_tokens=self.chunk_tokens)
-        return mb, lp
+        return mb, ids, mask, tgt, row_adapters, no_grad_adapters
 
     def _run_micro_batch(
         self,
@@ -442,7 +451,7 @@ class TrainerEngine:
         needs_grad = any(r.grad for r in mb)
         mb, lp = self._micro_batch_logprobs(mb, items, needs_grad)
         total = None
-        with torch.set_grad_enabled(needs_grad):
+        with torch.set_grad_enabled(needs_grad), record_function("openrl.trainer.loss_rows"):
             for b, r in enumerate(mb):
                 item = items[r.item]
                 row_lp = _row_logprobs(lp, b, r)
@@ -459,7 +468,8 @@ class TrainerEngine:
                     mismatch[r.item].add(row_lp, *sampled)
                 if r.grad:
                     total = loss if total is None else total + loss
-            if total is not None and total.requires_grad:
+        if total is not None and total.requires_grad:
+            with record_function("openrl.trainer.backward"):
                 total.backward()
 
     # --------------------------------------------------------------- optimizer

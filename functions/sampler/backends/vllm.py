@@ -135,7 +135,7 @@ class VLLMBackend:
         cache_dir: where the unembedding check writes its probe adapter (default: a
             temporary directory).
         preload: build adapters in a background thread of vLLM's worker before ``add_lora``
-            (:mod:`.vllm_preload`; default ``OPENRL_VLLM_PRELOAD``, off).
+            (:mod:`.vllm_preload`; default ``OPENRL_VLLM_PRELOAD``, on).
 
     vLLM's compile cache goes to ``$OPENRL_HOME/cache/vllm`` unless ``VLLM_CACHE_ROOT`` is
     set (:func:`configure_vllm_env`).

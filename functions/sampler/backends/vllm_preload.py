@@ -1,4 +1,4 @@
-"""Adapter loads off vLLM's engine-core loop (issue 31; ``OPENRL_VLLM_PRELOAD``, default off).
+"""Adapter loads off vLLM's engine-core loop (issue 31; ``OPENRL_VLLM_PRELOAD``, default on).
 
 ``AsyncLLM.add_lora`` is a utility call that vLLM's engine core runs on its one loop, between
 engine steps: while it reads the adapter file, casts it to the serving dtype, pins it, packs
