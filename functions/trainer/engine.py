@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -190,6 +191,9 @@ class TrainerEngine:
                 self._patched = accelerate_model(base)["patched"]
         self.max_rows = int(max_rows)
         self.max_tokens = int(max_tokens)
+        #: the adapters' weights cast and stacked once per pass, not per micro-batch and layer
+        #: call (:meth:`MultiLoRAModel.pass_weights`); False: per call (benchmarks compare)
+        self.pass_weights = True
         self.chunk_tokens = int(chunk_tokens)
         cfg = base.config
         self.vocab_size = int(self.model.lm_head.out_features)
@@ -338,8 +342,9 @@ class TrainerEngine:
                 results[i].metrics = {"loss:sum": 0.0}
             oom = None
             try:
-                for mb in self._micro_batches(all_rows):
-                    self._run_micro_batch(mb, items, configs, results, loss_sums, mismatch)
+                with self.model.pass_weights(self.pass_weights):  # adapter operands built once per pass
+                    for mb in self._micro_batches(all_rows):
+                        self._run_micro_batch(mb, items, configs, results, loss_sums, mismatch)
                 break
             except Exception as e:  # restore gradients: a failed pass must not half-apply
                 for m, grads in snapshot.items():
@@ -451,26 +456,54 @@ class TrainerEngine:
         needs_grad = any(r.grad for r in mb)
         mb, lp = self._micro_batch_logprobs(mb, items, needs_grad)
         total = None
+        row_losses: list[torch.Tensor] = []
+        row_outputs: list[dict[str, torch.Tensor]] = []
         with torch.set_grad_enabled(needs_grad), record_function("openrl.trainer.loss_rows"):
             for b, r in enumerate(mb):
                 item = items[r.item]
                 row_lp = _row_logprobs(lp, b, r)
                 loss, outputs, loss_metrics = losses.compute_loss(item.loss_fn, row_lp, r.inputs, configs[r.item])
                 losses.merge_metrics(results[r.item].metrics, loss_metrics)
-                if not torch.isfinite(loss.detach()):
-                    raise FloatingPointError(f"non-finite loss for {item.model_id} datum {r.datum}")
-                results[r.item].loss_fn_outputs[r.datum] = {
-                    k: v.detach().to("cpu", torch.float32).numpy() for k, v in outputs.items()
-                }
-                loss_sums[r.item] += float(loss.detach())
+                row_losses.append(loss.detach())
+                row_outputs.append(outputs)
                 sampled = _mismatch_inputs(r)
                 if sampled is not None:
                     mismatch[r.item].add(row_lp, *sampled)
                 if r.grad:
                     total = loss if total is None else total + loss
+            self._read_rows(mb, items, row_losses, row_outputs, results, loss_sums)
         if total is not None and total.requires_grad:
             with record_function("openrl.trainer.backward"):
                 total.backward()
+
+    @staticmethod
+    def _read_rows(mb: list[_Row], items: Sequence[FwdBwdItem], row_losses: list[torch.Tensor],
+                   row_outputs: list[dict[str, torch.Tensor]], results: list[FwdBwdResult],
+                   loss_sums: dict[int, float]) -> None:
+        """The micro-batch's per-datum losses (0-dim) and ``loss_fn_outputs`` (e.g. logprobs
+        [T] / [T, K]) to the host in one transfer (per datum, the host would wait for the GPU
+        each time), as float32 numpy arrays into ``results``; the losses summed per request into
+        ``loss_sums``.
+
+        Raises:
+            FloatingPointError: a datum's loss is not finite (before any backward of the
+                micro-batch: the caller restores the gradients).
+        """
+        parts = [loss.reshape(1).to(torch.float32) for loss in row_losses]
+        parts += [v.detach().reshape(-1).to(torch.float32) for o in row_outputs for v in o.values()]
+        flat = torch.cat(parts).to("cpu").numpy() if parts else np.zeros(0, np.float32)
+        n = len(row_losses)
+        for b, r in enumerate(mb):
+            if not math.isfinite(float(flat[b])):
+                raise FloatingPointError(f"non-finite loss for {items[r.item].model_id} datum {r.datum}")
+        at = n
+        for b, r in enumerate(mb):
+            out = {}
+            for k, v in row_outputs[b].items():
+                out[k] = flat[at: at + v.numel()].reshape(tuple(v.shape)).copy()
+                at += v.numel()
+            results[r.item].loss_fn_outputs[r.datum] = out
+            loss_sums[r.item] += float(flat[b])
 
     # --------------------------------------------------------------- optimizer
 
