@@ -363,8 +363,7 @@ class Bench:
         sampler's logprobs, rank 32, train_unembed=False), N = 1 and 8 runs in one pass, as the
         stack's trainer runs it: forward_backward, optim_step_many of the N runs, the N snapshots
         packed; beside it the same tokens as one long row per run (what per-row work costs), and
-        the passes under smaller micro-batch caps (what a cap that fits a shared GPU costs), each
-        with the adapters' operands built once per pass and per layer call (``pass_weights``).
+        the passes under smaller micro-batch caps (what a cap that fits a shared GPU costs).
         Then one 8-run step under torch.profiler: the engine's ranges (``openrl.trainer.*``:
         prepare, batch, forward, loss_rows, backward, optim, pack) in host milliseconds, the
         device's busy milliseconds, and the host syncs (profile_rl_RUNS_CAP.txt)."""
@@ -398,18 +397,13 @@ class Bench:
                 per_row_ms=round(1000 * (fb["s_median"] - fb_long["s_median"]) / (n * rows - n), 2),
                 optim_step_many_s=round(statistics.median(opt), 4), pack_s=round(statistics.median(pack), 4),
                 peak_mem_gb=fb.get("peak_mem_gb"), long_peak_mem_gb=fb_long.get("peak_mem_gb"))
-        # micro-batch caps, each with the adapters' operands built once per pass (the default,
-        # TrainerEngine.pass_weights) and in every layer call (before), same job
-        for n, caps in ((8, (16384, 8192, 4096, 3056)), (1, (16384,))):
+        for n, caps in ((8, (16384, 8192, 4096, 3056)), (1, (16384,))):  # micro-batch caps
             items = [self.item(r, rows, lengths=[T] * rows) for r in self.runs[:n]]
             for cap in caps:
                 self.engine.max_tokens = cap
-                for pw in (False, True):
-                    self.engine.pass_weights = pw
-                    r = self.timed(lambda: self.step(items), reps=3, warmup=1)
-                    log(what="rl_trainer_cap", runs=n, max_tokens=cap, pass_weights=pw, s=round(r["s_median"], 4),
-                        tokens_per_s=round(n * rows * T / r["s_median"]), peak_mem_gb=r.get("peak_mem_gb"))
-        self.engine.pass_weights = True
+                r = self.timed(lambda: self.step(items), reps=3, warmup=1)
+                log(what="rl_trainer_cap", runs=n, max_tokens=cap, s=round(r["s_median"], 4),
+                    tokens_per_s=round(n * rows * T / r["s_median"]), peak_mem_gb=r.get("peak_mem_gb"))
         self.engine.max_tokens = cap0
         for spec in self.args.rl_profile.split(","):  # "runs@cap", e.g. 8@16384
             n, _, cap = spec.partition("@")

@@ -191,9 +191,6 @@ class TrainerEngine:
                 self._patched = accelerate_model(base)["patched"]
         self.max_rows = int(max_rows)
         self.max_tokens = int(max_tokens)
-        #: the adapters' weights cast and stacked once per pass, not per micro-batch and layer
-        #: call (:meth:`MultiLoRAModel.pass_weights`); False: per call (benchmarks compare)
-        self.pass_weights = True
         self.chunk_tokens = int(chunk_tokens)
         cfg = base.config
         self.vocab_size = int(self.model.lm_head.out_features)
@@ -342,9 +339,8 @@ class TrainerEngine:
                 results[i].metrics = {"loss:sum": 0.0}
             oom = None
             try:
-                with self.model.pass_weights(self.pass_weights):  # adapter operands built once per pass
-                    for mb in self._micro_batches(all_rows):
-                        self._run_micro_batch(mb, items, configs, results, loss_sums, mismatch)
+                for mb in self._micro_batches(all_rows):
+                    self._run_micro_batch(mb, items, configs, results, loss_sums, mismatch)
                 break
             except Exception as e:  # restore gradients: a failed pass must not half-apply
                 for m, grads in snapshot.items():

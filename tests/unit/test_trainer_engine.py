@@ -358,3 +358,23 @@ def test_invalid_lora_spec(engine):
     with pytest.raises(UserError):
         engine.create_run("none", LoraSpec(rank=2, train_attn=False, train_mlp=False, train_unembed=False))
     assert not engine.has_run("r0") and not engine.has_run("none")
+
+
+def test_a_non_finite_loss_fails_the_pass_and_keeps_gradients(engine):
+    """The losses of a micro-batch are read in one transfer (TrainerEngine._read_rows): a datum
+    whose loss overflows still fails the whole pass before any backward, naming the datum, and
+    every run's gradients stay as they were; the other datums' results are not half-written."""
+    engine.create_run("nonfinite", LoraSpec(rank=4, seed=3))
+    engine.forward_backward([_sft("nonfinite", [_sft_datum(1)])])
+    before = [p.grad.clone() for p in engine.model.adapter_parameters("nonfinite")]
+    seq = np.random.RandomState(5).randint(0, VOCAB, size=20).astype(np.int64)
+    ok = Datum(list(seq[:-1]), {"target_tokens": seq[1:], "logprobs": np.full(19, -1.0, np.float32),
+                                "advantages": np.ones(19, np.float32)})
+    # exp(lp - q) with q = -200 overflows float32: the loss is -inf
+    bad = Datum(list(seq[:-1]), {"target_tokens": seq[1:], "logprobs": np.full(19, -200.0, np.float32),
+                                 "advantages": np.ones(19, np.float32)})
+    res = engine.forward_backward([FwdBwdItem("nonfinite", [ok, bad], "importance_sampling")])
+    assert res[0].error is not None and "non-finite loss for nonfinite datum 1" in str(res[0].error)
+    for p, g in zip(engine.model.adapter_parameters("nonfinite"), before):
+        assert torch.equal(p.grad, g)
+    engine.delete_run("nonfinite")

@@ -32,9 +32,6 @@ class MultiLoRALinear(nn.Module):
         self.lora_A: dict[str, nn.Parameter] = {}
         self.lora_B: dict[str, nn.Parameter] = {}
         self.scaling: dict[str, float] = {}
-        #: whether the pass's weight cache may serve this layer (routing.add_lora's ``cacheable``;
-        #: MultiLoRAModel sets False for the vocabulary projection, called once per chunk)
-        self.cacheable = True
 
     @property
     def in_features(self) -> int:
@@ -62,7 +59,7 @@ class MultiLoRALinear(nn.Module):
         routing = self._router.current
         if routing is None or not self.lora_A:
             return out
-        return routing.add_lora(out, x, self.lora_A, self.lora_B, self.scaling, self.cacheable)
+        return routing.add_lora(out, x, self.lora_A, self.lora_B, self.scaling)
 
     def extra_repr(self) -> str:
         """The adapter names, for ``repr``."""

@@ -13,10 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from openrl.errors import UserError
-from openrl.model.lora.config import ALL_TARGETS, PEFT_KEY_PREFIX, UNEMBED_TARGET, LoraSpec
+from openrl.model.lora.config import ALL_TARGETS, PEFT_KEY_PREFIX, LoraSpec
 from openrl.model.lora.layer import MultiLoRALinear
 from openrl.model.lora.routing import LoraRouting, Router
-from openrl.model.lora.weights import LoraWeightCache
 
 
 class MultiLoRAModel(nn.Module):
@@ -51,7 +50,6 @@ class MultiLoRAModel(nn.Module):
             leaf = path.rsplit(".", 1)[-1]
             if leaf in ALL_TARGETS and type(module) is nn.Linear:
                 wrapped = MultiLoRALinear(module, self._router)
-                wrapped.cacheable = leaf != UNEMBED_TARGET  # projected chunk by chunk (logprobs.py)
                 parent = base.get_submodule(path.rsplit(".", 1)[0]) if "." in path else base
                 setattr(parent, leaf, wrapped)
                 self._layers[path] = wrapped
@@ -200,25 +198,9 @@ class MultiLoRAModel(nn.Module):
         for name in set(row_adapters):
             if name is not None and name not in self._specs:
                 raise KeyError(f"no adapter named {name!r}")
-        routing = LoraRouting(row_adapters, no_grad_adapters, device=self.device, dtype=self.dtype,
-                              weights=self._router.weights)
+        routing = LoraRouting(row_adapters, no_grad_adapters, device=self.device, dtype=self.dtype)
         with self.routed(routing):
             yield routing
-
-    @contextlib.contextmanager
-    def pass_weights(self, enabled: bool = True) -> Iterator[LoraWeightCache | None]:
-        """Inside the block, routings built by :meth:`use_adapters` share one
-        :class:`~openrl.model.lora.weights.LoraWeightCache`: each layer's adapter weights are
-        cast (and stacked) once for all micro-batches of a pass, and their gradients reach the
-        float32 parameters after each backward as before. Keep optimizer steps and weight
-        loads outside the block (an entry is rebuilt if a parameter changed in place anyway).
-        ``enabled=False``: no cache (the per-call path). Yields the cache (or None)."""
-        prev = self._router.weights
-        self._router.weights = LoraWeightCache() if enabled else None
-        try:
-            yield self._router.weights
-        finally:
-            self._router.weights = prev
 
     @property
     def current_routing(self) -> LoraRouting | None:

@@ -150,20 +150,9 @@ def stacked_lora_delta(x: Tensor, lora_a: Sequence[Tensor], lora_b: Sequence[Ten
     """
     a_cat = torch.cat(list(lora_a), 0).to(x.dtype)  # [R, in]
     b_cat = torch.cat(list(lora_b), 1).to(x.dtype)  # [out, R]
-    return stacked_delta(x, a_cat, b_cat, mask)
-
-
-def stacked_delta(x: Tensor, a_cat: Tensor, b_cat: Tensor, mask: Tensor) -> Tensor:
-    """:func:`stacked_lora_delta` on operands built already: ``a_cat`` [R, in], ``b_cat``
-    [out, R], both in x's dtype (e.g. once per pass, :mod:`openrl.model.lora.weights`)."""
     h = x @ a_cat.t()  # [n, ..., R]
     h = h * mask.view(mask.shape[0], *([1] * (x.dim() - 2)), mask.shape[1])
     return h @ b_cat.t()
-
-
-def padded_rank(ranks: Sequence[int]) -> int:
-    """The rank the grouped GEMM's operands are padded to: the largest, rounded up to 8."""
-    return -(-max(ranks) // 8) * 8
 
 
 def grouped_lora_delta(
@@ -190,7 +179,7 @@ def grouped_lora_delta(
         [n, ..., out], x's dtype.
     """
     ranks = [a.shape[0] for a in lora_a]
-    r = padded_rank(ranks)
+    r = -(-max(ranks) // 8) * 8
     a_pad, b_pad = [], []
     for a, b, rk in zip(lora_a, lora_b, ranks):
         if rk != r:
@@ -200,12 +189,6 @@ def grouped_lora_delta(
         b_pad.append(b)
     a3 = torch.stack(a_pad).to(x.dtype)  # [G, r, in]: one stack, one cast (few kernels)
     b3 = torch.stack(b_pad).to(x.dtype)  # [G, out, r]
-    return grouped_delta(x, a3, b3, offs, scale)
-
-
-def grouped_delta(x: Tensor, a3: Tensor, b3: Tensor, offs: Tensor, scale: float | Tensor) -> Tensor:
-    """:func:`grouped_lora_delta` on operands built already: ``a3`` [G, r, in] and ``b3``
-    [G, out, r] (ranks zero-padded to :func:`padded_rank`), in x's dtype."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     h = torch._grouped_mm(x2, a3.transpose(1, 2), offs=offs)  # [M, r]

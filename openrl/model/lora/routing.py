@@ -16,17 +16,13 @@ import torch
 from torch import Tensor
 
 from openrl.model.lora.ops import (
-    grouped_delta,
     grouped_lora_delta,
     grouped_mm_support,
     index_add_lora,
     lora_delta,
-    padded_rank,
-    stacked_delta,
     stacked_lora_delta,
     select_plan,
 )
-from openrl.model.lora.weights import LoraWeightCache
 
 
 class LoraRouting:
@@ -46,12 +42,10 @@ class LoraRouting:
             model's device (the gather / scatter-add path); else empty.
         detached: adapter names whose parameters are used detached (no gradient).
         plan: the kernels chosen for this routing (:func:`ops.select_plan`).
-        weights: the pass's :class:`~openrl.model.lora.weights.LoraWeightCache` (None: each
-            layer call casts and stacks its adapters' weights itself).
     """
 
     __slots__ = ("segments", "groups", "detached", "batch_size", "row_names", "names", "plan",
-                 "row_adapter_ids", "seg_starts", "seg_lens", "seg_adapter_ids", "_cache", "weights")
+                 "row_adapter_ids", "seg_starts", "seg_lens", "seg_adapter_ids", "_cache")
 
     def __init__(
         self,
@@ -60,9 +54,7 @@ class LoraRouting:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
-        weights: LoraWeightCache | None = None,
     ):
-        self.weights = weights
         self.row_names = list(row_names)
         self.batch_size = len(self.row_names)
         self.detached = frozenset(detached)
@@ -129,7 +121,6 @@ class LoraRouting:
         lora_a: Mapping[str, Tensor],
         lora_b: Mapping[str, Tensor],
         scaling: Mapping[str, float],
-        cacheable: bool = True,
     ) -> Tensor:
         """``y`` plus, on every row, the delta of the row's adapter (out of place).
 
@@ -139,10 +130,6 @@ class LoraRouting:
             lora_a / lora_b / scaling: the layer's adapters: name -> A [r, in], B [out, r]
                 (float32 parameters) and ``alpha / r``. Rows whose adapter the layer lacks
                 get the base output only.
-            cacheable: the operands may come from the pass's weight cache (:attr:`weights`);
-                False for a layer called more than once per graph or recomputed by activation
-                checkpointing (the vocabulary projection's chunks), whose cached leaf would sum
-                its gradients in the compute dtype.
 
         Returns:
             [B, ..., out] in y's dtype.
@@ -182,33 +169,14 @@ class LoraRouting:
             xs, ys = (x, y) if whole else (x[s0:e1], y[s0:e1])
             names = [n for _, _, n in block]
             ws = [weights(n) for n in names]
-            cache = self.weights if cacheable else None
-            if cache is not None:  # operands cast / stacked once per pass (weights.py)
-                pa, pb = [lora_a[n] for n in names], [lora_b[n] for n in names]
-                trainable = [n not in self.detached for n in names]
-                key_a, key_b = (id(lora_a), "a"), (id(lora_b), "b")
             if len(names) == 1:
-                if cache is None:
-                    d = lora_delta(xs, *ws[0], scaling[names[0]])
-                else:
-                    d = lora_delta(xs, cache.get(key_a, "one", pa, trainable, xs.dtype),
-                                   cache.get(key_b, "one", pb, trainable, xs.dtype), scaling[names[0]])
+                d = lora_delta(xs, *ws[0], scaling[names[0]])
             elif grouped and _grouped_fits(xs, block, ws[0][1].shape[0]):
-                if cache is None:
-                    d = self._grouped(xs, block, ws, [scaling[n] for n in names])
-                else:
-                    r = padded_rank([a.shape[0] for a in pa])
-                    d = self._grouped(xs, block, ws, [scaling[n] for n in names],
-                                      (cache.get(key_a, "stack_a", pa, trainable, xs.dtype, r),
-                                       cache.get(key_b, "stack_b", pb, trainable, xs.dtype, r)))
+                d = self._grouped(xs, block, ws, [scaling[n] for n in names])
             else:
                 m = self.mask(names, [a.shape[0] for a, _ in ws], [scaling[n] for n in names],
                               xs.dtype, xs.device, (s0, e1))
-                if cache is None:
-                    d = stacked_lora_delta(xs, [a for a, _ in ws], [b for _, b in ws], m)
-                else:
-                    d = stacked_delta(xs, cache.get(key_a, "cat_a", pa, trainable, xs.dtype),
-                                      cache.get(key_b, "cat_b", pb, trainable, xs.dtype), m)
+                d = stacked_lora_delta(xs, [a for a, _ in ws], [b for _, b in ws], m)
             parts.append(ys + d.to(y.dtype))
             block.clear()
             block_rank = 0
@@ -241,10 +209,9 @@ class LoraRouting:
         return y
 
     def _grouped(self, xs: Tensor, block: list[tuple[int, int, str]], ws: list[tuple[Tensor, Tensor]],
-                 scales: list[float], stacked: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                 scales: list[float]) -> Tensor:
         """:func:`ops.grouped_lora_delta` for one block of contiguous segments (offsets and
-        the per-token scale column cached on the routing); ``stacked``: its operands
-        ``(a3, b3)`` built already (:func:`ops.grouped_delta`)."""
+        the per-token scale column cached on the routing)."""
         per_row = xs[0].numel() // xs.shape[-1] if xs.shape[0] else 0
         s0 = block[0][0]
         spans = tuple((s, e) for s, e, _ in block)
@@ -261,8 +228,6 @@ class LoraRouting:
                     [torch.full(((e - s) * per_row, 1), sc, dtype=torch.float32) for (s, e, _), sc in zip(block, scales)]
                 ).to(device=xs.device, dtype=xs.dtype),
             )
-        if stacked is not None:
-            return grouped_delta(xs, *stacked, offs, scale)
         return grouped_lora_delta(xs, [a for a, _ in ws], [b for _, b in ws], offs, scale)
 
 
@@ -286,13 +251,10 @@ class Router:
     """Holder of the current routing, shared by all ``MultiLoRALinear`` layers of one model
     (set by ``MultiLoRAModel.use_adapters``; None: base model only)."""
 
-    __slots__ = ("current", "weights")
+    __slots__ = ("current",)
 
     def __init__(self) -> None:
         self.current: LoraRouting | None = None
-        #: the pass's weight cache, handed to routings built while it is set
-        #: (``MultiLoRAModel.pass_weights``)
-        self.weights: LoraWeightCache | None = None
 
 
 __all__ = ["LoraRouting", "Router"]
