@@ -29,6 +29,7 @@ STEPS = {
     "stack-after-conform": [],
     "stack-lora-probe": [],
     "stack-export-probe": [".gpu"],
+    "engine-rl-probe": [".gpu"],
 }
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
