@@ -155,6 +155,11 @@ class Settings(BaseSettings):
                                    "of its file system, at most 16 GiB")
     idle_timeout: float = Field(300.0, ge=0, description="embedded stack (openrl serve / run): seconds a worker's "
                                 "queue stays empty before it is stopped (scale to zero); 0 = keep it up")
+    sleep_after: float = Field(0.0, ge=0, description="seconds a trainer / sampler worker has no request in flight "
+                               "before it sleeps: it keeps its process and moves its weights (and the trainer's "
+                               "runs) to host memory, giving the GPU back, and wakes before the next request "
+                               "(openrl/transport/bindings/idle_sleep.py); 0 = never. Below idle_timeout it "
+                               "comes first; scale to zero still follows after idle_timeout")
     start_failures: int = Field(3, ge=1, description="embedded stack: failed starts of a worker in a row with the "
                                 "same cause (twice as many with any causes) after which its function is failing: "
                                 "its queued and new requests fail with the start error")

@@ -9,7 +9,7 @@ labelled by owner id, never by key). It reads the JetStream queue depths at scra
      "queues":  [{"stream", "messages", "bytes"}],
      "workers": [{"function", "shard", "stream", "consumer", "state", "num_pending",
                   "num_ack_pending", "num_waiting", "num_redelivered", "last_active", "idle_s",
-                  "device", "dtype", "backend", "models_failed", "details"}]}
+                  "device", "dtype", "backend", "models_failed", "details", "sleep"}]}
 
 A worker kind is a durable JetStream consumer (``trainer-<shard>``, ``sampler``); its
 ``state`` says whether someone is pulling (``polling``), requests run (``busy``), work
@@ -22,6 +22,9 @@ the meta bucket (:class:`openrl.transport.worker.WorkerPresence`); None when no 
 load there, whose requests fail with that error (:mod:`openrl.model.loadfailures`); None when none did.
 ``details`` (``{"kernels": ..., "unembed": ..., "routed": ...}``, see
 :data:`openrl.transport.worker.DETAIL_KEYS`): what else the worker's ``describe()`` says; None when nothing.
+``sleep`` (``{"state": "awake" | "falling asleep" | "asleep" | "waking", "since_unix", "sleeps", "wakes",
+"last_wake_s", "error"}``, :mod:`openrl.transport.bindings.idle_sleep`): whether the worker has given its
+GPU memory back while idle; None when it does not sleep (``OPENRL_SLEEP_AFTER`` 0).
 
 :data:`public` holds ``/metrics``, :data:`router` ``/status`` (under ``/api/v1``, behind the
 key); :func:`install` adds the request metrics / trace middleware to the app.
@@ -81,7 +84,7 @@ async def build_status(bus) -> dict:
             rec = records.get((fn, shard)) or WorkerRecord.model_construct()
             workers.append({"function": fn, "shard": shard, "stream": s["stream"], **c,
                             "device": rec.device, "dtype": rec.dtype, "backend": rec.backend,
-                            "models_failed": rec.models_failed, "details": rec.details})
+                            "models_failed": rec.models_failed, "details": rec.details, "sleep": rec.sleep})
     return {
         "gateway": {"time": now_iso(), "futures_in_flight": len(metrics.FUTURES)},
         "queues": [{"stream": s["stream"], "messages": s["messages"], "bytes": s["bytes"]} for s in streams],

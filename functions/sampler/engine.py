@@ -304,6 +304,25 @@ class SamplerEngine:
                 if len(self._adapters) > self.adapter_cache_size:
                     await self._evict()
 
+    async def sleep(self) -> bool:
+        """Idle sleep of the backend (its weights and loaded adapters to host memory); False when
+        it declined (jobs still running).
+
+        Raises:
+            ServerError: the backend cannot sleep.
+        """
+        if self._in_use:
+            return False
+        fn = getattr(self.backend, "sleep", None)
+        if not callable(fn):
+            raise ServerError(f"the {getattr(self.backend, 'name', type(self.backend).__name__)} sampler backend "
+                              "cannot sleep")
+        return await fn() is not False
+
+    async def wake(self) -> None:
+        """Wake the backend (loaded adapters stay loaded)."""
+        await self.backend.wake()
+
     async def close(self) -> None:
         """Stop the backend; jobs still running fail with ``ServerError``."""
         self._closed = True

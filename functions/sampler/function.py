@@ -99,6 +99,39 @@ class SamplerFunction:
         if self.stability is not None:
             await self.stability.close()
 
+    async def sleep(self) -> bool:
+        """Give the GPU back while idle (:mod:`openrl.transport.bindings.idle_sleep`): every loaded
+        engine sleeps (transformers: weights to host memory; vLLM: its sleep mode, level 1). The
+        binding calls it only with no request in flight; False (declined) while an engine still
+        runs a job or loads. Engines that slept before one declined are woken again.
+
+        Raises:
+            ServerError: an engine whose backend cannot sleep.
+        """
+        if self._engine_lock.locked():
+            return False
+        async with self._engine_lock:
+            slept = []
+            for e in list(self.engines.values()):
+                try:
+                    ok = await e.sleep()
+                except Exception:
+                    for d in slept:
+                        await d.wake()
+                    raise
+                if not ok:
+                    for d in slept:
+                        await d.wake()
+                    return False
+                slept.append(e)
+        return True
+
+    async def wake(self) -> None:
+        """Wake every engine (the first request after a sleep waits for it)."""
+        async with self._engine_lock:
+            for e in list(self.engines.values()):
+                await e.wake()
+
     def describe(self) -> dict:
         """What ``openrl status`` shows of this worker: device, base-weight dtype(s), backend
         ("pending" until the first base model is loaded; ``vllm+hf`` once the vLLM backend

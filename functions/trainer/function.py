@@ -15,6 +15,7 @@ run restores it from storage on the run's first request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import tempfile
 import threading
@@ -41,6 +42,7 @@ from functions.trainer.snapshots import SnapshotWriter
 from openrl.storage.handoff import SnapshotHandoff
 
 SOURCE = SOURCE_TRAINER
+log = logging.getLogger("openrl.trainer")
 
 
 class TrainerFunction:
@@ -200,6 +202,42 @@ class TrainerFunction:
         return False, ("stopping: draining and flushing run state" if self._stopping
                        else "starting: loading base models")
 
+    # ----- idle sleep (openrl/transport/bindings/idle_sleep.py) ---------------------
+    async def sleep(self) -> bool:
+        """Give the GPU back while idle: every engine's weights, runs and optimizer state move to
+        host memory (:mod:`functions.trainer.residency`), between engine computations (under the
+        engine lock). The binding calls it only with no request in flight; False (declined) while
+        a snapshot is still being packed or a run is being created, restored or unloaded.
+
+        Raises:
+            ServerError: an engine that cannot move (the multi-GPU engine, ``trainer_gpus`` > 1).
+        """
+        from functions.trainer import residency
+
+        if any(not hasattr(e, "runs") or not hasattr(e, "model") for e in self.engines.values()):
+            raise ServerError("idle sleep is not supported by the multi-GPU trainer engine (OPENRL_TRAINER_GPUS > 1)")
+        if self._lock.locked() or (self.durable is not None and any(lk.locked() for lk in self.durable._run_locks.values())):
+            return False
+        async with self._lock:
+            freed = 0
+            for engine in list(self.engines.values()):
+                freed += await asyncio.to_thread(residency.offload, engine)
+        log.info("asleep: %.2f GB of engine tensors moved to host memory", freed / 1e9)
+        return True
+
+    async def wake(self) -> None:
+        """Move every engine back to its device (the first request after a sleep waits for it).
+
+        Raises:
+            torch.cuda.OutOfMemoryError: the device no longer has room for them (the request fails
+                naming it; the next request tries again).
+        """
+        from functions.trainer import residency
+
+        async with self._lock:
+            for engine in list(self.engines.values()):
+                await asyncio.to_thread(residency.reload, engine)
+
     # ----- engines ----------------------------------------------------------------
     _engine_load_lock = threading.Lock()
 
@@ -305,9 +343,7 @@ class TrainerFunction:
             try:
                 await self.durable.flush_run(model_id)
             except Exception:  # noqa: BLE001 - the periodic flush retries; the create itself succeeded
-                import logging
-
-                logging.getLogger("openrl.trainer").exception("run state of %s not flushed at creation", model_id)
+                log.exception("run state of %s not flushed at creation", model_id)
         return result
 
     async def _create_locked(self, model_id: str, p: payloads.CreateModel | payloads.LoadWeights) -> dict:

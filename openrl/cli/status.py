@@ -163,6 +163,24 @@ def supervisor_state(state_dir: Path, base_url: str) -> dict | None:
     return doc
 
 
+def _sleep_cell(sleep: dict | None) -> str | None:
+    """The worker's idle-sleep state for the table: ``asleep (3 sleeps, last wake 1.2 s)``,
+    ``awake``, ...; None when it does not sleep; the last error appended."""
+    if not sleep:
+        return None
+    cell = str(sleep.get("state"))
+    extra = []
+    if sleep.get("sleeps"):
+        extra.append(f"{sleep['sleeps']} sleeps")
+    if sleep.get("last_wake_s") is not None:
+        extra.append(f"last wake {sleep['last_wake_s']:g} s")
+    if extra:
+        cell += f" ({', '.join(extra)})"
+    if sleep.get("error"):
+        cell += f"; {sleep['error']}"
+    return cell
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """``openrl status``: workers and queues (``/api/v1/status``), the key's runs and sessions;
     with ``--cluster``, the Knative Services and NATS streams instead (:mod:`openrl.cli.cluster`)."""
@@ -193,10 +211,11 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"flight on this replica, {total_runs} training runs and {len(sessions.get('sessions', []))} "
               f"sessions for this key ({gw.get('time')})")
     con.print(_table("Workers (JetStream consumers)",
-                     ["function", "shard", "state", "device", "dtype", "backend", "queued", "running", "pulls",
-                      "redelivered", "idle s"],
-                     [[w["function"], w.get("shard"), w["state"], w.get("device"), w.get("dtype"), w.get("backend"),
-                       w["num_pending"], w["num_ack_pending"], w["num_waiting"], w["num_redelivered"], w.get("idle_s")]
+                     ["function", "shard", "state", "sleep", "device", "dtype", "backend", "queued", "running",
+                      "pulls", "redelivered", "idle s"],
+                     [[w["function"], w.get("shard"), w["state"], _sleep_cell(w.get("sleep")), w.get("device"),
+                       w.get("dtype"), w.get("backend"), w["num_pending"], w["num_ack_pending"], w["num_waiting"],
+                       w["num_redelivered"], w.get("idle_s")]
                       for w in status.get("workers", [])]))
     for w in status.get("workers", []):
         if w.get("models_failed"):

@@ -280,6 +280,10 @@ class WorkerRecord(Record):
     backend: Any = None
     models_failed: Any = None
     details: Any = None
+    #: the idle-sleep state (:meth:`openrl.transport.bindings.idle_sleep.IdleSleep.describe`:
+    #: ``state``, ``since_unix``, ``sleeps``, ``wakes``, ``last_wake_s``, ``error``); None when the
+    #: worker does not sleep (``sleep_after`` 0, or a Function without ``sleep()``)
+    sleep: Any = None
     started: str | None = None
     updated: str | None = None
     updated_unix: float | None = None

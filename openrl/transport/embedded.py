@@ -204,6 +204,7 @@ class Stack:
     preload: list[str] = field(default_factory=list)  # base models the workers load at start (--model names)
     supervise: bool = False  # restart dead processes, scale idle workers to zero (openrl serve / run)
     idle_timeout: float = 0.0  # --idle-timeout: seconds a worker may idle before it stops (supervise; 0 = never)
+    sleep_after: float | None = None  # --sleep-after: seconds before an idle worker sleeps (None: $OPENRL_SLEEP_AFTER)
     supervisor: "Supervisor | None" = None  # set by start() when supervise
     # the ports of the gateway, nats-server and the push receivers, held from before their servers
     # start until stop() (PortHold: a restart binds the same port and nothing takes it meanwhile)
@@ -253,6 +254,8 @@ class Stack:
         }
         if self.device:
             env["OPENRL_DEVICE"] = self.device
+        if self.sleep_after is not None:
+            env["OPENRL_SLEEP_AFTER"] = str(self.sleep_after)
         if self.preload:  # the models named with --model: load them (and start vLLM) before the first request
             env.setdefault("OPENRL_PRELOAD", ",".join(self.preload))
         for key, flag, default in (("OPENRL_TRAINER_GPU_MEMORY", self.trainer_gpu_memory, TRAINER_GPU_MEMORY),
@@ -545,7 +548,8 @@ def _stack_from_args(args) -> Stack:
                  device=getattr(args, "device", None), trainer_gpu_memory=getattr(args, "trainer_gpu_memory", None),
                  sampler_gpu_memory=getattr(args, "sampler_gpu_memory", None),
                  preload=[name for name, _ in getattr(args, "model", None) or []], supervise=True,
-                 idle_timeout=Settings().idle_timeout if idle is None else float(idle))
+                 idle_timeout=Settings().idle_timeout if idle is None else float(idle),
+                 sleep_after=getattr(args, "sleep_after", None))
 
 
 def main(args) -> int:
@@ -565,6 +569,9 @@ def main(args) -> int:
     key = api_key(stack.state_dir)
     print(json.dumps({"base_url": stack.base_url, "api_key_file": str(stack.state_dir / "api_key")}))
     idle = f"; idle workers stop after {stack.idle_timeout:g} s" if stack.idle_timeout and not stack.push else ""
+    sleep_after = stack.sleep_after if stack.sleep_after is not None else Settings().sleep_after
+    if sleep_after and not stack.push:
+        idle = f"; idle workers sleep after {sleep_after:g} s" + idle.replace(";", ",", 1)
     print(f"openrl is serving on {stack.base_url}  (API key: {key}{idle}; Ctrl-C stops)", flush=True)
     try:
         while not stop["flag"] and not stack.fatal:

@@ -51,6 +51,7 @@ from openrl.contract.function import probe
 from openrl.observe import metrics, startup
 from openrl.transport import portsfile
 from openrl.transport.bindings import load_function
+from openrl.transport.bindings.idle_sleep import IdleSleep, Sleepy, can_sleep
 from openrl.transport.bindings.jetstream import JetStreamWorker
 from openrl.contract import topology
 from openrl.transport.bus import Bus, now_iso
@@ -139,7 +140,8 @@ class WorkerPresence:
         ValueError: ``refresh_s`` not > 0.
     """
 
-    def __init__(self, bus: Bus, fn, *, function: str, shard: int | None, refresh_s: float | None = None):
+    def __init__(self, bus: Bus, fn, *, function: str, shard: int | None, refresh_s: float | None = None,
+                 sleeper: IdleSleep | None = None):
         if refresh_s is None:
             refresh_s = Settings().worker_refresh_s
         if not refresh_s > 0:
@@ -149,7 +151,10 @@ class WorkerPresence:
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.instance = f"{self.host}:{self.pid}"
         self.started = now_iso()
+        self.sleeper = sleeper
         self._task: asyncio.Task | None = None
+        self._pending_publish: asyncio.Task | None = None
+        self._dirty = False
 
     @property
     def key(self) -> tuple[str, ...]:
@@ -165,9 +170,31 @@ class WorkerPresence:
             "host": self.host, "device": info.get("device"), "dtype": info.get("dtype"),
             "backend": info.get("backend"), "models_failed": info.get("models_failed"),
             "details": {k: v for k, v in info.items() if k in DETAIL_KEYS} or None,
+            "sleep": None if self.sleeper is None else self.sleeper.describe(),
             "started": self.started, "updated": now_iso(),
             "updated_unix": round(time.time(), 3), "refresh_s": self.refresh_s,
         }
+
+    def changed(self, _state: str = "") -> None:
+        """Rewrite the record soon (the sleep state changed); never raises. Changes that come
+        while a rewrite is under way are written by one more rewrite after it."""
+        self._dirty = True
+        if self._pending_publish is not None and not self._pending_publish.done():
+            return
+
+        async def _publish() -> None:
+            while self._dirty:
+                self._dirty = False
+                try:
+                    await self.publish()
+                except Exception as exc:  # noqa: BLE001 - NATS restarting: the periodic refresh catches up
+                    log.warning("could not rewrite the worker record: %s", exc)
+                    return
+
+        try:
+            self._pending_publish = asyncio.get_running_loop().create_task(_publish())
+        except RuntimeError:  # no running loop (tests calling it directly)
+            pass
 
     async def publish(self) -> dict:
         """Write the record once; returns it."""
@@ -260,10 +287,17 @@ async def serve(module: str, nats_url: str | None, shard: int, cfg: "Settings | 
         function, shard_id = function_of_consumer(consumer["durable"])
         metrics.set_function_info(function, describe(fn))
         bus = await Bus(nats_url or cfg.nats_url).connect()
-        worker = JetStreamWorker(fn, bus, **consumer)
+        sleeper = None
+        if cfg.sleep_after > 0 and can_sleep(fn):
+            sleeper = IdleSleep(fn, cfg.sleep_after)
+        worker = JetStreamWorker(fn if sleeper is None else Sleepy(fn, sleeper), bus, **consumer)
         presence = WorkerPresence(bus, fn, function=function, shard=shard_id,
-                                  refresh_s=refresh_s if refresh_s is not None else cfg.worker_refresh_s)
+                                  refresh_s=refresh_s if refresh_s is not None else cfg.worker_refresh_s,
+                                  sleeper=sleeper)
         await presence.start()
+        if sleeper is not None:
+            sleeper.on_change = presence.changed
+            sleeper.start()
     except Exception as exc:  # noqa: BLE001 - any start error: one line naming it, then exit
         raise _start_failed(module, exc) from exc
     if stop is None:
@@ -275,6 +309,8 @@ async def serve(module: str, nats_url: str | None, shard: int, cfg: "Settings | 
     startup.record("ready", startup.process_age_s())
     print(f"[{module}] ready", flush=True)
     await stop.wait()
+    if sleeper is not None:
+        await sleeper.stop()
     await worker.stop(drain_s)
     run.cancel()
     await presence.stop()

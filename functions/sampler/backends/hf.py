@@ -221,6 +221,34 @@ class HFBackend:
             if j in self._pending:
                 self._pending.remove(j)
 
+    async def sleep(self) -> bool:
+        """Idle sleep: the model (base weights and loaded adapters) to host memory, the CUDA cache
+        emptied (on the worker thread, between steps). False (declined) while jobs are queued or
+        running; a no-op on a CPU model."""
+        if self._pending or self._running:
+            return False
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._move, torch.device("cpu"))
+        return True
+
+    async def wake(self) -> None:
+        """Move the model back to its device (on the worker thread).
+
+        Raises:
+            torch.cuda.OutOfMemoryError: too little free device memory now.
+        """
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._move, self.device)
+
+    def _move(self, device: torch.device) -> None:
+        if self.device.type == "cpu":
+            return
+        self._reset_batch()
+        self.model.to(device)
+        if device.type == "cpu":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
     async def close(self) -> None:
         """Stop the loop; fail queued and running jobs; shut the worker thread down."""
         self._closed = True

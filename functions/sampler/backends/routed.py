@@ -128,6 +128,33 @@ class RoutedBackend:
         sec = await self._ready_secondary(job, reason)
         return await sec.sample(job)
 
+    async def sleep(self) -> bool:
+        """Idle sleep of the primary, then of the secondary where it runs (False: one declined;
+        the other is woken again so both stay in one state).
+
+        Raises:
+            ServerError: a backend that cannot sleep.
+        """
+        backends = [self.primary] + ([self._secondary] if self._secondary is not None else [])
+        done = []
+        for b in backends:
+            if not callable(getattr(b, "sleep", None)):
+                for d in done:
+                    await d.wake()
+                raise ServerError(f"the {getattr(b, 'name', type(b).__name__)} sampler backend cannot sleep")
+            if await b.sleep() is False:
+                for d in done:
+                    await d.wake()
+                return False
+            done.append(b)
+        return True
+
+    async def wake(self) -> None:
+        """Wake the primary and the secondary where it runs."""
+        await self.primary.wake()
+        if self._secondary is not None:
+            await self._secondary.wake()
+
     async def close(self) -> None:
         """Close both backends."""
         try:

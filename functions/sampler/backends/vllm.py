@@ -205,6 +205,8 @@ class VLLMBackend:
             seed=0,
         )
         kw.update(settings)
+        if Settings().sleep_after > 0:  # idle sleep (openrl/transport/bindings/idle_sleep.py): vLLM's sleep mode
+            kw.setdefault("enable_sleep_mode", True)
         self.preload = Settings().vllm_preload if preload is None else bool(preload)
         if self.preload:
             kw.setdefault("worker_extension_cls", EXTENSION_QUALNAME)
@@ -219,6 +221,26 @@ class VLLMBackend:
         self._requests: dict[str, Any] = {}  # key -> LoRARequest
         self._next_id = 1
         self._closed = False
+
+    # ------------------------------------------------------------------ idle sleep
+
+    async def sleep(self) -> bool:
+        """vLLM's sleep mode, level 1: the weights (LoRA slots included) go to host memory and the
+        KV cache is dropped, so the GPU memory is free until :meth:`wake`.
+
+        Raises:
+            ServerError: the engine was built without ``enable_sleep_mode`` (set when
+                ``OPENRL_SLEEP_AFTER`` > 0 at start).
+        """
+        if not self.engine_args.get("enable_sleep_mode"):
+            raise ServerError("the vLLM engine was started without sleep mode (OPENRL_SLEEP_AFTER was 0 when it "
+                              "started); it cannot give its GPU memory back while idle")
+        await self.engine.sleep(level=1)
+        return True
+
+    async def wake(self) -> None:
+        """``wake_up()``: the weights back from host memory, the KV cache allocated again."""
+        await self.engine.wake_up()
 
     # ------------------------------------------------------------------ adapters
 
