@@ -30,6 +30,7 @@ STEPS = {
     "stack-lora-probe": [],
     "stack-export-probe": [".gpu"],
     "engine-rl-probe": [".gpu"],
+    "engine-sleep-probe": [".gpu"],
 }
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
