@@ -171,6 +171,10 @@ class RunDurability:
         """The per-run lock that serialises create, restore, flush and unload of one run."""
         return self._run_locks.setdefault(model_id, asyncio.Lock())
 
+    def busy(self) -> bool:
+        """Whether a create / restore / flush / unload holds a run lock now."""
+        return any(lock.locked() for lock in self._run_locks.values())
+
     async def wait_idle(self) -> None:
         """Wait until no create / restore / flush / unload holds a run lock."""
         for lock in list(self._run_locks.values()):

@@ -216,7 +216,7 @@ class TrainerFunction:
 
         if any(not hasattr(e, "runs") or not hasattr(e, "model") for e in self.engines.values()):
             raise ServerError("idle sleep is not supported by the multi-GPU trainer engine (OPENRL_TRAINER_GPUS > 1)")
-        if self._lock.locked() or (self.durable is not None and any(lk.locked() for lk in self.durable._run_locks.values())):
+        if self._lock.locked() or (self.durable is not None and self.durable.busy()):
             return False
         async with self._lock:
             freed = 0
