@@ -32,7 +32,7 @@ STEPS=(
   "stack-after-conform|-||after conform-C (vLLM complete, the stack's wheels and the model in place): stops conform-C's serve, then stack_h200.py with vLLM sharing conform-C's vLLM compile cache; ARGS (default --sections rl,sample --rl-runs 1,8 --shapes fixed,varied --warmup 1 --breakdown --no-direct); AB_ENV="VAR=value ...": the RL rows with the defaults, then with AB_ENV set, same job (HANDOFF_AB=1: AB_ENV=OPENRL_HANDOFF_DIR=off); out: stack.jsonl, stack.md [default/, ab/], logsS.tgz"
   "stack-lora-probe|-||after conform-C (vLLM complete, the model in place; after stack-after-conform, whose stack is then stopped): bench/vllm_lora_load.py, where vLLM's adapter load goes (fp32 vs bf16 file, split into read, cast + pin, merge, activate) and the trainer-side export costs; PROBE_ARGS; out: lora_load.jsonl, logsP.tgz"
   "stack-export-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, the model, bench/vllm_lora_load.py --no-vllm: the trainer's export of an unnamed snapshot split (torch.cat, device-to-host pageable / pinned, tmpfs page faults, MAP_POPULATE, cudaHostRegister); out: lora_load.jsonl"
-  "engine-rl-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, then bench/cobatch_h200.py --sections rl: the trainer's share of one RL step (1 and 8 runs x 16 datums x 191 tokens: forward_backward, optim_step_many, snapshot packing, per-row cost, micro-batch caps, torch.profiler splits by the engine's ranges); RL_ARGS; out: cobatch.jsonl, profile_rl_*.txt, logsE.tgz"
+  "engine-rl-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, then bench/cobatch_h200.py --sections rl: the trainer's share of one RL step (1 and 8 runs x 16 datums x 191 tokens: forward_backward, optim_step_many, snapshot packing, per-row cost, micro-batch caps, torch.profiler splits by the engine's ranges); RL_ARGS; out: cobatch.jsonl, profile_rl_*.txt, logsE.tgz; AB_ENV=\"VAR=value ...\": the probe again with it set, same job (out: ab/)"
   "engine-sleep-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, then bench/residency_probe.py: the trainer's idle sleep on the GPU (Qwen3-4B shapes, 8 rank-32 runs with gradients and AdamW moments: bytes freed, offload and reload seconds, memory before / asleep / awake, every tensor bit for bit after the round trip); SLEEP_ARGS; out: res/residency.jsonl, logsE.tgz"
   "conform-R|.gpu|bench/conform_call.sh R|one call on a fresh machine, no vLLM: conform-A's set-up, then RFILES (filtered by RK) against a transformers-sampler stack; out: R/, logsR.tgz"
 )
@@ -363,6 +363,13 @@ step_engine_rl_probe() {
   timeout -k 15 $(( $(left) - 20 )) "$PY" bench/cobatch_h200.py $tiny --sections rl --out "$O" ${RL_ARGS:---reps 3} \
     > "$L/rl.log" 2>&1; el "rl probe rc=$?"
   grep '^{' "$L/rl.log" | cut -c1-1500
+  if [ -n "${AB_ENV:-}" ]; then  # AB_ENV="VAR=value ...": the same probe again with it set, same job (out: ab/)
+    mkdir -p "$O/ab"
+    # shellcheck disable=SC2086
+    env $AB_ENV timeout -k 15 $(( $(left) - 20 )) "$PY" bench/cobatch_h200.py $tiny --sections rl --out "$O/ab" \
+      ${RL_ARGS:---reps 3} > "$L/rl_ab.log" 2>&1; el "rl probe ($AB_ENV) rc=$?"
+    grep '^{' "$L/rl_ab.log" | cut -c1-1500
+  fi
   grep -v -E "^\s+(File|\^)" "$L/rl.log" | grep -i -E -B2 -A8 "Traceback|Error" | head -30
   pack_logs logsE "$L"; el "done"
 }
