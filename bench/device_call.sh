@@ -33,7 +33,8 @@ STEPS=(
   "stack-lora-probe|-||after conform-C (vLLM complete, the model in place; after stack-after-conform, whose stack is then stopped): bench/vllm_lora_load.py, where vLLM's adapter load goes (fp32 vs bf16 file, split into read, cast + pin, merge, activate) and the trainer-side export costs; PROBE_ARGS; out: lora_load.jsonl, logsP.tgz"
   "stack-export-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, the model, bench/vllm_lora_load.py --no-vllm: the trainer's export of an unnamed snapshot split (torch.cat, device-to-host pageable / pinned, tmpfs page faults, MAP_POPULATE, cudaHostRegister); out: lora_load.jsonl"
   "engine-rl-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, then bench/cobatch_h200.py --sections rl: the trainer's share of one RL step (1 and 8 runs x 16 datums x 191 tokens: forward_backward, optim_step_many, snapshot packing, per-row cost, micro-batch caps, torch.profiler splits by the engine's ranges); RL_ARGS; out: cobatch.jsonl, profile_rl_*.txt, logsE.tgz; AB_ENV=\"VAR=value ...\": the probe again with it set, same job (out: ab/)"
-  "engine-sleep-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, then bench/residency_probe.py: the trainer's idle sleep on the GPU (Qwen3-4B shapes, 8 rank-32 runs with gradients and AdamW moments: bytes freed, offload and reload seconds, memory before / asleep / awake, every tensor bit for bit after the round trip); SLEEP_ARGS; out: res/residency.jsonl, logsE.tgz"
+  "engine-sleep-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, then bench/residency_probe.py: the trainer's idle sleep on the GPU (Qwen3-4B shapes, 8 rank-32 runs with gradients and AdamW moments: bytes freed, offload and reload seconds, memory before / asleep / awake, every tensor bit for bit after the round trip); SLEEP_ARGS; out: res/residency.jsonl, logsZ.tgz"
+  "engine-probes|.gpu||fresh machine, no vLLM (one call, one start): engine-rl-probe (RL_ARGS, AB_ENV) then engine-sleep-probe (SLEEP_ARGS); out: both steps' outputs"
   "conform-R|.gpu|bench/conform_call.sh R|one call on a fresh machine, no vLLM: conform-A's set-up, then RFILES (filtered by RK) against a transformers-sampler stack; out: R/, logsR.tgz"
 )
 
@@ -377,7 +378,7 @@ step_engine_rl_probe() {
 # engine-sleep-probe: what the trainer's idle sleep frees and what its wake costs on the GPU (issue 32 item 1;
 # the stack-level idle -> first forward_backward comes from the stack rows). Fresh machine, one call.
 step_engine_sleep_probe() {
-  L=$WORK/logsE; rm -rf "$L"; mkdir -p "$L"
+  L=$WORK/logsZ; rm -rf "$L"; mkdir -p "$L"
   el start; gpu_info
   if [ "$DRY" != 1 ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$STK" .gpu/wheels/*.whl > "$L/pip.log" 2>&1
@@ -390,7 +391,13 @@ step_engine_sleep_probe() {
     > "$L/sleep.log" 2>&1; el "sleep probe rc=$?"
   grep '^{' "$L/sleep.log" | cut -c1-1500
   grep -v -E "^\s+(File|\^)" "$L/sleep.log" | grep -i -E -B2 -A8 "Traceback|Error" | head -30
-  pack_logs logsE "$L"; el "done"
+  pack_logs logsZ "$L"; el "done"
+}
+
+# engine-probes: engine-rl-probe (AB_ENV honoured) then engine-sleep-probe on one fresh machine (one start).
+step_engine_probes() {
+  step_engine_rl_probe
+  step_engine_sleep_probe
 }
 
 # ---- the GPU conformance chain (issue 22, docs/gpu-conformance.md) -----------------------------------------

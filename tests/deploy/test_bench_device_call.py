@@ -31,6 +31,7 @@ STEPS = {
     "stack-export-probe": [".gpu"],
     "engine-rl-probe": [".gpu"],
     "engine-sleep-probe": [".gpu"],
+    "engine-probes": [".gpu"],
 }
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
