@@ -40,6 +40,9 @@ Sections (``--sections``; sft, sample, rl and sweep share one stack, started onc
   cold    time from starting ``openrl serve`` (a new state dir) to the first finished
           forward_backward and to the first sample (``--no-cold-sample``: trainer only); then
           stop and start again on the same state dir (warm caches) and measure again.
+          ``--from-sleep S``: the starts run with ``OPENRL_SLEEP_AFTER=S``; after the last one, wait
+          until both workers are asleep and time the next forward_backward and sample (idle -> first
+          answer with the processes kept); ``--from-zero S`` then does the same after scale to zero.
 
 ``--shapes fixed,varied`` (default both): ``varied`` adds to sft and rl the rows of
 ``bench/stack_shapes.py`` (``sft_varied``, ``rl_varied``): lengths and datum counts drawn per
@@ -134,9 +137,11 @@ class Serve:
 
     live: list["Serve"] = []
 
-    def __init__(self, state: Path, model_dir: Path | None, device: str, tag: str, idle_timeout: float | None = None):
+    def __init__(self, state: Path, model_dir: Path | None, device: str, tag: str, idle_timeout: float | None = None,
+                 sleep_after: float | None = None):
         self.state, self.model_dir, self.device, self.tag = Path(state), model_dir, device, tag
         self.idle_timeout = idle_timeout  # OPENRL_IDLE_TIMEOUT (None: the default, 300 s)
+        self.sleep_after = sleep_after  # OPENRL_SLEEP_AFTER (None: the default, off)
         # the gateway's port, held for this object's life: every start of this serve binds it
         self._port = PortHold()
         self.port = self._port.port
@@ -169,6 +174,8 @@ class Serve:
                 env["OPENRL_MODEL_REGISTRY"] = str(reg)
         if self.idle_timeout is not None:
             env["OPENRL_IDLE_TIMEOUT"] = str(self.idle_timeout)
+        if self.sleep_after is not None:
+            env["OPENRL_SLEEP_AFTER"] = str(self.sleep_after)
         if self.device != "auto":
             if "--device" in flags:
                 cmd += ["--device", self.device]
@@ -577,7 +584,8 @@ def s_cold(a) -> None:
     for phase in phases:
         if not enough(a.cold_need_s, f"cold {phase}"):
             return
-        s = Serve(state, a.model, a.device, f"cold_{phase}", idle_timeout=a.from_zero or None)
+        s = Serve(state, a.model, a.device, f"cold_{phase}", idle_timeout=a.from_zero or None,
+                  sleep_after=a.from_sleep or None)
         rec: dict = {"what": "cold", "phase": phase}
         t0 = time.time()
         try:
@@ -596,6 +604,10 @@ def s_cold(a) -> None:
                           types.SamplingParams(max_tokens=16, stop=[])).result(timeout=tmo(900))
                 rec["first_sample_s"] = round(time.time() - t0, 2)
             rec["phases"] = startup_phases(s)
+            if a.from_sleep and phase == phases[-1] and enough(a.cold_need_s + a.from_sleep, "cold from sleep"):
+                log(**rec)
+                rec = {"what": "cold", "phase": "from sleep"}
+                rec.update(from_sleep(s, tc, sc, a, rng))
             if a.from_zero and phase == phases[-1] and enough(a.cold_need_s + a.from_zero, "cold from zero"):
                 log(**rec)
                 rec = {"what": "cold", "phase": "from zero"}
@@ -626,6 +638,45 @@ def supervisor_states(s: Serve) -> dict:
     except (OSError, ValueError):
         return {}
     return {p["name"]: p["state"] for p in doc.get("processes", [])}
+
+
+def sleep_states(s: Serve) -> dict:
+    """``{function: its worker record's sleep dict}`` from ``GET /api/v1/status`` (``{}`` on failure)."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{s.url}/api/v1/status", headers={"X-API-Key": s.api_key()}, timeout=10)
+        return {w["function"]: w.get("sleep") or {} for w in r.json().get("workers", [])}
+    except Exception:  # noqa: BLE001 - the gateway restarting: ask again
+        return {}
+
+
+def from_sleep(s: Serve, tc, sc, a, rng) -> dict:
+    """Wait until the trainer and (with a sampler client) the sampler are asleep
+    (``OPENRL_SLEEP_AFTER``: weights in host memory, processes kept), then time the next
+    forward_backward and sample; each worker's own wake seconds come from its record."""
+    from tinker import types
+
+    want = ("trainer", "sampler") if sc is not None else ("trainer",)
+    t = time.time()
+    while time.time() - t < a.from_sleep + 90:
+        st = sleep_states(s)
+        if all((st.get(f) or {}).get("state") == "asleep" for f in want):
+            break
+        time.sleep(0.5)
+    else:
+        return {"error": f"not asleep after {time.time() - t:.0f} s: {sleep_states(s)}"}
+    rec: dict = {"idle_until_asleep_s": round(time.time() - t, 1)}
+    t0 = time.time()
+    tc.forward_backward([sft_datum(rng, a.tokens)], "cross_entropy").result(timeout=tmo(900))
+    rec["first_forward_backward_s"] = round(time.time() - t0, 2)
+    if sc is not None:
+        t1 = time.time()
+        sc.sample(types.ModelInput.from_ints(rand_ids(rng, a.prompt_tokens)), 1,
+                  types.SamplingParams(max_tokens=16, stop=[])).result(timeout=tmo(900))
+        rec["first_sample_s"] = round(time.time() - t1, 2)
+    rec["sleep"] = sleep_states(s)
+    return rec
 
 
 def from_zero(s: Serve, tc, sc, a, rng) -> dict:
@@ -988,6 +1039,9 @@ def main() -> None:
     ap.add_argument("--from-zero", type=float, default=0, metavar="IDLE_S",
                     help="cold: start with --idle-timeout IDLE_S and, after the last start, time the first "
                          "forward_backward and sample after the workers scaled to zero (0: off)")
+    ap.add_argument("--from-sleep", type=float, default=0, metavar="SLEEP_S",
+                    help="cold: start with OPENRL_SLEEP_AFTER=SLEEP_S and, after the last start, time the first "
+                         "forward_backward and sample after the workers fell asleep (before --from-zero; 0: off)")
     ap.add_argument("--no-direct", dest="direct_cmp", action="store_false", help="sample: skip the direct engine")
     ap.add_argument("--breakdown", action="store_true", help="sample: per-request times from the futures bucket; "
                     "rl: per operation, queued and handled seconds of the timed steps' requests (ops)")
