@@ -351,15 +351,18 @@ step_stack_export_probe() {
 
 # engine-rl-probe: where the trainer's busy seconds of an RL step go, on the engine alone (no vLLM, no stack;
 # the stack's own numbers come from stack-after-conform). Fresh machine, one call.
-step_engine_rl_probe() {
-  L=$WORK/logsE; rm -rf "$L"; mkdir -p "$L"
+engine_setup() {  # LOGDIR: a fresh log dir in $L, the stack's wheels (not in a dry run), PYTHONPATH, $tiny
+  L=$1; rm -rf "$L"; mkdir -p "$L"
   el start; gpu_info
   if [ "$DRY" != 1 ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$STK" .gpu/wheels/*.whl > "$L/pip.log" 2>&1
     el "stack wheels rc=$?"
   fi
   stack_path
-  local tiny=""; [ "$DRY" = 1 ] && tiny=--tiny
+  tiny=""; [ "$DRY" = 1 ] && tiny=--tiny
+}
+step_engine_rl_probe() {
+  local tiny; engine_setup "$WORK/logsE"
   # shellcheck disable=SC2086
   timeout -k 15 $(( $(left) - 20 )) "$PY" bench/cobatch_h200.py $tiny --sections rl --out "$O" ${RL_ARGS:---reps 3} \
     > "$L/rl.log" 2>&1; el "rl probe rc=$?"
@@ -378,14 +381,7 @@ step_engine_rl_probe() {
 # engine-sleep-probe: what the trainer's idle sleep frees and what its wake costs on the GPU (issue 32 item 1;
 # the stack-level idle -> first forward_backward comes from the stack rows). Fresh machine, one call.
 step_engine_sleep_probe() {
-  L=$WORK/logsZ; rm -rf "$L"; mkdir -p "$L"
-  el start; gpu_info
-  if [ "$DRY" != 1 ]; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$STK" .gpu/wheels/*.whl > "$L/pip.log" 2>&1
-    el "stack wheels rc=$?"
-  fi
-  stack_path
-  local tiny=""; [ "$DRY" = 1 ] && tiny=--tiny
+  local tiny; engine_setup "$WORK/logsZ"
   # shellcheck disable=SC2086
   timeout -k 15 $(( $(left) - 20 )) "$PY" bench/residency_probe.py $tiny --out "$O/res" ${SLEEP_ARGS:-} \
     > "$L/sleep.log" 2>&1; el "sleep probe rc=$?"

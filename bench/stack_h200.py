@@ -640,6 +640,23 @@ def supervisor_states(s: Serve) -> dict:
     return {p["name"]: p["state"] for p in doc.get("processes", [])}
 
 
+def first_answers(tc, sc, a, rng) -> dict:
+    """Seconds to the next forward_backward and (with a sampling client) the next 16-token sample:
+    ``{"first_forward_backward_s", "first_sample_s"}``."""
+    from tinker import types
+
+    rec = {}
+    t0 = time.time()
+    tc.forward_backward([sft_datum(rng, a.tokens)], "cross_entropy").result(timeout=tmo(900))
+    rec["first_forward_backward_s"] = round(time.time() - t0, 2)
+    if sc is not None:
+        t1 = time.time()
+        sc.sample(types.ModelInput.from_ints(rand_ids(rng, a.prompt_tokens)), 1,
+                  types.SamplingParams(max_tokens=16, stop=[])).result(timeout=tmo(900))
+        rec["first_sample_s"] = round(time.time() - t1, 2)
+    return rec
+
+
 def sleep_states(s: Serve) -> dict:
     """``{function: its worker record's sleep dict}`` from ``GET /api/v1/status`` (``{}`` on failure)."""
     import httpx
@@ -655,8 +672,6 @@ def from_sleep(s: Serve, tc, sc, a, rng) -> dict:
     """Wait until the trainer and (with a sampler client) the sampler are asleep
     (``OPENRL_SLEEP_AFTER``: weights in host memory, processes kept), then time the next
     forward_backward and sample; each worker's own wake seconds come from its record."""
-    from tinker import types
-
     want = ("trainer", "sampler") if sc is not None else ("trainer",)
     t = time.time()
     while time.time() - t < a.from_sleep + 90:
@@ -667,14 +682,7 @@ def from_sleep(s: Serve, tc, sc, a, rng) -> dict:
     else:
         return {"error": f"not asleep after {time.time() - t:.0f} s: {sleep_states(s)}"}
     rec: dict = {"idle_until_asleep_s": round(time.time() - t, 1)}
-    t0 = time.time()
-    tc.forward_backward([sft_datum(rng, a.tokens)], "cross_entropy").result(timeout=tmo(900))
-    rec["first_forward_backward_s"] = round(time.time() - t0, 2)
-    if sc is not None:
-        t1 = time.time()
-        sc.sample(types.ModelInput.from_ints(rand_ids(rng, a.prompt_tokens)), 1,
-                  types.SamplingParams(max_tokens=16, stop=[])).result(timeout=tmo(900))
-        rec["first_sample_s"] = round(time.time() - t1, 2)
+    rec.update(first_answers(tc, sc, a, rng))
     rec["sleep"] = sleep_states(s)
     return rec
 
@@ -682,8 +690,6 @@ def from_sleep(s: Serve, tc, sc, a, rng) -> dict:
 def from_zero(s: Serve, tc, sc, a, rng) -> dict:
     """Wait until the stack scaled its trainer and sampler to zero (``--idle-timeout``), then time
     the next forward_backward (trainer start + run restore) and sample (sampler start + adapter)."""
-    from tinker import types
-
     t = time.time()
     while time.time() - t < a.from_zero + 90:
         st = supervisor_states(s)
@@ -693,14 +699,7 @@ def from_zero(s: Serve, tc, sc, a, rng) -> dict:
     else:
         return {"error": f"not scaled to zero after {time.time() - t:.0f} s: {supervisor_states(s)}"}
     rec: dict = {"idle_until_zero_s": round(time.time() - t, 1)}
-    t0 = time.time()
-    tc.forward_backward([sft_datum(rng, a.tokens)], "cross_entropy").result(timeout=tmo(900))
-    rec["first_forward_backward_s"] = round(time.time() - t0, 2)
-    if sc is not None:
-        t1 = time.time()
-        sc.sample(types.ModelInput.from_ints(rand_ids(rng, a.prompt_tokens)), 1,
-                  types.SamplingParams(max_tokens=16, stop=[])).result(timeout=tmo(900))
-        rec["first_sample_s"] = round(time.time() - t1, 2)
+    rec.update(first_answers(tc, sc, a, rng))
     rec["phases"] = startup_phases(s)
     return rec
 

@@ -108,23 +108,12 @@ class SamplerFunction:
         Raises:
             ServerError: an engine whose backend cannot sleep.
         """
+        from functions.sampler.backends.common import sleep_together
+
         if self._engine_lock.locked():
             return False
         async with self._engine_lock:
-            slept = []
-            for e in list(self.engines.values()):
-                try:
-                    ok = await e.sleep()
-                except Exception:
-                    for d in slept:
-                        await d.wake()
-                    raise
-                if not ok:
-                    for d in slept:
-                        await d.wake()
-                    return False
-                slept.append(e)
-        return True
+            return await sleep_together(list(self.engines.values()))
 
     async def wake(self) -> None:
         """Wake every engine (the first request after a sleep waits for it)."""

@@ -1,4 +1,4 @@
-"""Helpers both sampler backends share: per-sample seeds, the tokenizer, EOS id sets."""
+"""Helpers both sampler backends share: per-sample seeds, the tokenizer, EOS id sets, idle sleep of several parts."""
 
 from __future__ import annotations
 
@@ -50,3 +50,33 @@ def token_ids(x: Any) -> set[int]:
     if isinstance(x, int):
         return {x}
     return {int(i) for i in x}
+
+
+async def sleep_together(parts: list[Any]) -> bool:
+    """Idle sleep of several parts (backends, engines) as one: each ``sleep()`` in turn; when one
+    declines (returns False) or raises, the parts already asleep are woken again, so all stay in
+    one state. True when every part sleeps.
+
+    Raises:
+        ServerError: a part without ``sleep()`` (named), or what a part's ``sleep()`` raised.
+    """
+    from openrl.errors import ServerError
+
+    done: list[Any] = []
+    try:
+        for part in parts:
+            fn = getattr(part, "sleep", None)
+            if not callable(fn):
+                raise ServerError(f"the {getattr(part, 'name', type(part).__name__)} sampler backend cannot sleep")
+            if await fn() is False:
+                break
+            done.append(part)
+        else:
+            return True
+    except BaseException:
+        for d in done:
+            await d.wake()
+        raise
+    for d in done:
+        await d.wake()
+    return False

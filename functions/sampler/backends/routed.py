@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from functions.sampler.types import SampleJob, SampleResult, SamplerBackend
+from functions.sampler.backends.common import sleep_together
 from openrl.errors import ServerError
 
 log = logging.getLogger(__name__)
@@ -129,25 +130,13 @@ class RoutedBackend:
         return await sec.sample(job)
 
     async def sleep(self) -> bool:
-        """Idle sleep of the primary, then of the secondary where it runs (False: one declined;
-        the other is woken again so both stay in one state).
+        """Idle sleep of the primary, then of the secondary where it runs
+        (:func:`~functions.sampler.backends.common.sleep_together`: False when one declined).
 
         Raises:
             ServerError: a backend that cannot sleep.
         """
-        backends = [self.primary] + ([self._secondary] if self._secondary is not None else [])
-        done = []
-        for b in backends:
-            if not callable(getattr(b, "sleep", None)):
-                for d in done:
-                    await d.wake()
-                raise ServerError(f"the {getattr(b, 'name', type(b).__name__)} sampler backend cannot sleep")
-            if await b.sleep() is False:
-                for d in done:
-                    await d.wake()
-                return False
-            done.append(b)
-        return True
+        return await sleep_together([self.primary] + ([self._secondary] if self._secondary is not None else []))
 
     async def wake(self) -> None:
         """Wake the primary and the secondary where it runs."""

@@ -205,9 +205,10 @@ class VLLMBackend:
             seed=0,
         )
         kw.update(settings)
-        if Settings().sleep_after > 0:  # idle sleep (openrl/transport/bindings/idle_sleep.py): vLLM's sleep mode
+        cfg = Settings()
+        if cfg.sleep_after > 0:  # idle sleep (openrl/transport/bindings/idle_sleep.py): vLLM's sleep mode
             kw.setdefault("enable_sleep_mode", True)
-        self.preload = Settings().vllm_preload if preload is None else bool(preload)
+        self.preload = cfg.vllm_preload if preload is None else bool(preload)
         if self.preload:
             kw.setdefault("worker_extension_cls", EXTENSION_QUALNAME)
             if kw["worker_extension_cls"] != EXTENSION_QUALNAME:
