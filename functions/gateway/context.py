@@ -103,7 +103,7 @@ class Gateway:
     keys: object | None = None  # openrl.edge.auth.KeyRing, set by create_app
     rejected: dict[str, int] = field(default_factory=dict)  # stream -> 429s answered (this replica)
     quotas: Quotas = field(default_factory=Quotas)  # per-key quotas (functions/gateway/quotas.py)
-    _depth: dict[str, list] = field(default_factory=dict)  # stream -> [messages, monotonic time read]
+    _depth: dict[str, list] = field(default_factory=dict)  # stream -> [messages, monotonic time read, own publishes since]
     _samplers: dict[str, tuple] = field(default_factory=dict)  # sampler id -> (record, monotonic time read)
     _vocab: dict[str, int] = field(default_factory=dict)
     _http: object | None = None
@@ -246,25 +246,38 @@ class Gateway:
         a message leaves the stream when its worker acks it, after the result is stored), so
         every gateway replica sees the same queue. It is read at most every
         ``pending_refresh_s`` seconds; in between, this replica's own publishes are added.
-        Always False when the limit is 0 or requests go to a Knative Broker (``K_SINK``).
+        That estimate only grows (acks are not seen between readings), so a request is
+        rejected only on a reading taken after this replica's last publish: an estimate at
+        the limit is read again first. Always False when the limit is 0 or requests go to a
+        Knative Broker (``K_SINK``).
         """
         limit = self._limit_of(stream)
         if limit <= 0 or self.settings.k_sink:
             return False
         import time
 
-        now = time.monotonic()
         d = self._depth.get(stream)
-        if d is None or now - d[1] > self.settings.pending_refresh_s:
-            if d is None:
-                d = self._depth[stream] = [0, now]
-            d[1] = now  # concurrent callers use the previous reading meanwhile
-            try:
-                info = await self.bus.js.stream_info(stream)
-                d[0] = int(info.state.messages)
-            except Exception:  # noqa: BLE001 - no reading: keep the last one (admit)
-                pass
+        if d is None:
+            d = self._depth[stream] = [0, time.monotonic(), 0]  # messages, time read, own publishes since
+        stale = time.monotonic() - d[1] > self.settings.pending_refresh_s
+        if stale or (d[0] >= limit and d[2] > 0):
+            await self._read_depth(stream, d)
         return d[0] >= limit
+
+    async def _read_depth(self, stream: str, d: list) -> None:
+        """Replace the estimate ``d`` of :meth:`over_limit` by JetStream's message count of ``stream``.
+
+        No reading (JetStream unreachable): the estimate stays, so requests are admitted as before.
+        """
+        import time
+
+        d[1], published = time.monotonic(), d[2]  # concurrent callers use the previous reading meanwhile
+        try:
+            info = await self.bus.js.stream_info(stream)
+        except Exception:  # noqa: BLE001 - no reading: keep the last one (admit)
+            return
+        d[0] = int(info.state.messages) + (d[2] - published)  # publishes while the reading was under way
+        d[2] -= published
 
     def quota_of(self, owner: str):
         """The :class:`openrl.edge.auth.Quota` of owner id ``owner`` (unlimited without a key ring)."""
@@ -375,6 +388,7 @@ class Gateway:
                 d = self._depth.get(topology.stream_for(op))
                 if d is not None:
                     d[0] += 1
+                    d[2] += 1
         except BaseException as exc:
             if span is not None:
                 tracing.mark_error(span, f"publish failed: {exc}")
