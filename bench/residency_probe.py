@@ -6,7 +6,8 @@ Builds the Qwen3-4B-shaped random bf16 model in memory (``bench/cobatch_h200.py:
 a :class:`~functions.trainer.engine.TrainerEngine` with ``--runs`` runs, then per run one packed
 forward_backward (--datums, default 4, x 191 tokens), one optim_step (AdamW moments exist) and one more
 forward_backward (gradients exist). Then ``functions.trainer.residency.offload`` (the trainer's
-``sleep()``) and ``reload`` (its ``wake()``), timed, with the device memory before and after
+``sleep()``) and ``reload`` (its ``wake()``), twice (the first sleep allocates and page-locks the
+host stash, the second reuses it), timed, with the device memory before and after
 (``torch.cuda.memory_allocated`` / ``memory_reserved`` / ``mem_get_info``). Every tensor the engine
 holds (parameters, gradients, optimizer moments) is copied to the host before and compared bit for
 bit after the round trip, and a forward-only pass gives the same logprobs before and after.
@@ -49,10 +50,10 @@ def mem() -> dict:
 
 
 def tensors(engine) -> list[torch.Tensor]:
-    from functions.trainer.residency import _state_tensors
+    """Every tensor a sleep moves (base weights and buffers, adapters, their gradients, AdamW moments)."""
+    from functions.trainer.residency import engine_slots
 
-    ts = list(engine.model.parameters()) + [p.grad for p in engine.model.parameters() if p.grad is not None]
-    return ts + list(engine.model.buffers()) + [st[k] for st, k in _state_tensors(engine)]
+    return [s.get() for s in engine_slots(engine)]
 
 
 def main() -> None:
@@ -104,24 +105,32 @@ def main() -> None:
         torch.cuda.synchronize()
     before = mem()
     host = [t.detach().to("cpu", copy=True) for t in tensors(engine)]
-    t1 = time.perf_counter()
-    freed = residency.offload(engine)
-    off_s = time.perf_counter() - t1
-    asleep = mem()
-    t2 = time.perf_counter()
-    residency.reload(engine)
-    if dev == "cuda":
-        torch.cuda.synchronize()
-    on_s = time.perf_counter() - t2
+    cycles = []
+    for cycle in range(2):  # the first sleep allocates and page-locks the host stash; the second reuses it
+        t1 = time.perf_counter()
+        freed = residency.offload(engine)
+        off_s = time.perf_counter() - t1
+        asleep = mem()
+        on_device = sum(t.device.type == dev for t in tensors(engine))
+        t2 = time.perf_counter()
+        residency.reload(engine)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        on_s = time.perf_counter() - t2
+        stash = getattr(engine, "_host_stash", None)
+        cycles.append(dict(cycle=cycle, freed_gb=round(freed / 1e9, 3), offload_s=round(off_s, 3),
+                           reload_s=round(on_s, 3), left_on_device_asleep=on_device, asleep=asleep,
+                           stash_gb=round(stash.nbytes / 1e9, 3) if stash else 0,
+                           stash_registered=bool(stash and stash.registered)))
     awake = mem()
     after = tensors(engine)
     same = len(after) == len(host) and all(
         a.device.type == dev and torch.equal(a.detach().cpu(), h) for a, h in zip(after, host))
     fwd_after = [x.loss_fn_outputs[0]["logprobs"] for x in engine.forward_backward(items(True))]
     fwd_same = all(np.array_equal(a, b) for a, b in zip(fwd_after, fwd_before))
-    log(what="sleep_wake", freed_gb=round(freed / 1e9, 3), offload_s=round(off_s, 3), reload_s=round(on_s, 3),
-        tensors=len(host), bitwise_same=bool(same), forward_same=bool(fwd_same),
-        before=before, asleep=asleep, awake=awake)
+    for c in cycles:
+        log(what="sleep_wake", tensors=len(host), bitwise_same=bool(same), forward_same=bool(fwd_same),
+            before=before, awake=awake, **c)
     res = engine.forward_backward(items())
     log(what="after_wake_pass", ok=all(x.error is None for x in res), **mem())
 
