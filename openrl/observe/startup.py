@@ -15,6 +15,8 @@ and kept here, once per process:
 | ``trainer_kernels`` | same | fused LoRA kernels set up (CUDA only) |
 | ``trainer_first_pass`` | same | the first forward(_backward) pass (Triton compile / autotune on CUDA) |
 | ``sampler_engine_start`` | ``SamplerEngine`` | the backend up: HF model load, or vLLM's load + torch.compile + CUDA-graph capture |
+| ``vllm_import`` | ``VLLMBackend`` | the sampler process's ``import vllm`` (inside ``sampler_engine_start``) |
+| ``vllm_engine_core`` | same | ``AsyncLLM.from_engine_args``: the engine-core process spawned and ready (inside ``sampler_engine_start``) |
 | ``adapter_restore`` | ``functions.trainer.durable`` | the last run-state restore (adapter + AdamW state from storage) |
 
 Read them as the gauge ``openrl_startup_seconds{phase}`` on the worker's ``/metrics`` and in

@@ -104,3 +104,19 @@ def test_offload_on_a_cpu_engine_moves_nothing(model_dir):
     e = _trained(model_dir)
     assert residency.offload(e) == 0 and residency.reload(e) == 0
     assert getattr(e, "_host_stash", None) is None
+
+
+def test_model_to_device_moves_the_adapters_too(model_dir):
+    """``MultiLoRAModel.to_device`` (the transformers sampler's sleep / wake) is ``Module.to``
+    plus ``map_adapters``: every adapter's data and gradient go through the move, the Parameter
+    objects stay. (Without a GPU the move here is a copy on the CPU: new storage, same bits.)"""
+    e = _trained(model_dir)
+    adapters = [p for r in RUNS for p in e.model.adapter_parameters(r)]
+    before = [(id(p), p.data_ptr(), p.grad.data_ptr(), p.detach().clone(), p.grad.clone()) for p in adapters]
+    e.model.map_adapters(lambda t: t.clone())
+    after = [p for r in RUNS for p in e.model.adapter_parameters(r)]
+    for p, (pid, ptr, gptr, val, grad) in zip(after, before):
+        assert id(p) == pid and p.data_ptr() != ptr and p.grad.data_ptr() != gptr
+        assert torch.equal(p, val) and torch.equal(p.grad, grad)
+    e.model.to_device("cpu")
+    assert [id(p) for r in RUNS for p in e.model.adapter_parameters(r)] == [b[0] for b in before]

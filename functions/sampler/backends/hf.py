@@ -244,7 +244,7 @@ class HFBackend:
         if self.device.type == "cpu":
             return
         self._reset_batch()
-        self.model.to(device)
+        self.model.to_device(device)  # base weights and the loaded adapters
         if device.type == "cpu":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()

@@ -159,9 +159,15 @@ class VLLMBackend:
         cache_dir: Path | None = None,
         preload: bool | None = None,
     ):
+        from openrl.observe import startup
+
+        t_import = time.perf_counter()
         configure_vllm_env()  # before the first vLLM import: the compile cache in the state dir
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        if startup.first("vllm_import"):  # this process's vLLM import (the engine core imports it again)
+            startup.record("vllm_import", time.perf_counter() - t_import)
 
         settings = engine_settings(max_batch_rows=max_batch_rows, max_loras=max_loras, max_lora_rank=max_lora_rank,
                                    max_cpu_loras=max_cpu_loras, gpu_memory_utilization=gpu_memory_utilization,
@@ -217,7 +223,10 @@ class VLLMBackend:
         self.engine_args = kw
         log.info("vLLM engine: max_num_seqs=%s max_loras=%s gpu_memory_utilization=%s cache=%s",
                  kw["max_num_seqs"], kw["max_loras"], kw["gpu_memory_utilization"], os.environ.get("VLLM_CACHE_ROOT"))
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
+        # the engine-core process: spawn and import, weights, torch.compile, profiling, KV cache,
+        # CUDA-graph capture, warm-up (vLLM's own log splits it)
+        with startup.timed("vllm_engine_core"):
+            self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
         self._ids: dict[str, int] = {}  # adapter key -> LoRA int id
         self._requests: dict[str, Any] = {}  # key -> LoRARequest
         self._next_id = 1

@@ -7,7 +7,7 @@ import contextlib
 import math
 import secrets
 from dataclasses import replace
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -69,6 +69,30 @@ class MultiLoRAModel(nn.Module):
     def adapter_names(self) -> list[str]:
         """Names of the adapters, in creation order."""
         return list(self._specs)
+
+    def to_device(self, device: torch.device | str) -> "MultiLoRAModel":
+        """Move the base model *and* every adapter (parameters and gradients) to ``device``.
+
+        ``Module.to`` alone leaves the adapters where they are: ``MultiLoRALinear`` keeps them in
+        plain dicts, not as registered parameters. Each adapter keeps its ``nn.Parameter``
+        object (``.data`` is swapped), so optimizers holding it stay valid; values and dtypes are
+        unchanged (a round trip is bit for bit).
+        """
+        device = torch.device(device)
+        self.to(device)
+        self.map_adapters(lambda t: t.to(device))
+        return self
+
+    def map_adapters(self, fn: Callable[[Tensor], Tensor]) -> None:
+        """Replace every adapter parameter's data and gradient by ``fn`` of it (same shape and
+        dtype), keeping the ``nn.Parameter`` objects (``.data`` swapped)."""
+        for name in self._specs:
+            for _, p in self.named_adapter_parameters(name):
+                g = p.grad
+                p.grad = None
+                p.data = fn(p.data)
+                if g is not None:
+                    p.grad = fn(g)
 
     def has_adapter(self, name: str) -> bool:
         """Whether adapter ``name`` exists."""
