@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -49,6 +49,7 @@ LEGACY_KEYS = {
     "gap_timeout_s": "seq_gap_timeout_s",
     "gpu_memory": "trainer_gpu_memory",
     "backend": "sampler_backend",
+    "storage_url": "storage",  # the property the functions' start() docs name (was silently ignored)
 }
 
 
@@ -160,6 +161,11 @@ class Settings(BaseSettings):
                                "runs) to host memory, giving the GPU back, and wakes before the next request "
                                "(openrl/transport/bindings/idle_sleep.py); 0 = never. Below idle_timeout it "
                                "comes first; scale to zero still follows after idle_timeout")
+    compile_cache_sync: Literal["auto", "on", "off"] = Field(
+        "auto", description="the sampler keeps its compile caches (VLLM_CACHE_ROOT, TRITON_CACHE_DIR, "
+        "TORCHINDUCTOR_CACHE_DIR) in storage under .compile-cache/: fetched before its engine starts, stored "
+        "again when the start compiled something new (openrl/storage/compile_cache.py); auto = on with gs:// "
+        "storage (a pod on GKE starts with an empty /tmp), off with file:// (the state dir keeps them)")
     start_failures: int = Field(3, ge=1, description="embedded stack: failed starts of a worker in a row with the "
                                 "same cause (twice as many with any causes) after which its function is failing: "
                                 "its queued and new requests fail with the start error")

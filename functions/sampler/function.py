@@ -28,6 +28,8 @@ from openrl.model.loadfailures import LoadFailures, ModelLoadError, describe_fai
 from openrl.model.registry import ModelRegistry
 from openrl.storage import TinkerPath, open_storage
 from openrl.storage.handoff import SnapshotHandoff
+from openrl.storage import compile_cache
+from functions.sampler.compile_sync import CompileCacheSync
 
 SOURCE = SOURCE_SAMPLER
 
@@ -47,6 +49,7 @@ class SamplerFunction:
         self._pinning: dict[str, int] = {}  # snapshot key -> requests pinning / loading it now
         self._pin_lock = asyncio.Lock()  # SnapshotHandoff.pin vs unpin_except
         self._unpin: asyncio.Task | None = None
+        self.compile_cache = CompileCacheSync(None, "cpu", False)  # set by start()
 
     async def start(self, cfg: Settings | dict | None = None) -> None:
         """Open storage and the registry; load the ``preload`` base models.
@@ -84,6 +87,8 @@ class SamplerFunction:
         self.registry = registry or ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
         self.device = resolve_device(cfg.device)
         self.backend = cfg.sampler_backend
+        self.compile_cache = CompileCacheSync(self.storage, self.device,
+                                              compile_cache.enabled(cfg.compile_cache_sync, cfg.storage_url))
         self.load_failures = LoadFailures(cfg.model_retry_s)
         for name in cfg.preload:
             try:
@@ -142,6 +147,10 @@ class SamplerFunction:
                 out["routed"] = ", ".join(f"{k}: {v}" for k, v in sorted(info["routed"].items()))
             if info.get("secondary_error"):
                 out["fallback_error"] = info["secondary_error"]
+        if self.compile_cache.on and self.compile_cache.last:  # OPENRL_COMPILE_CACHE_SYNC
+            r, w = self.compile_cache.last.get("restore", {}), self.compile_cache.last.get("save", {})
+            out["compile_cache"] = (f"restored {r.get('files', 0)} files" if r.get("found") else "none stored yet") + (
+                f"; store failed: {w['error']}" if "error" in w else f"; stored {w['new']} new files" if w.get("stored") else "")
         failed = describe_failures(self.load_failures)
         if failed:
             out["models_failed"] = failed
@@ -172,6 +181,7 @@ class SamplerFunction:
             if key not in self.engines:
                 self.load_failures.check(base_model, key)
                 dtype = resolve_dtype(getattr(entry, "dtype", None), self.device)
+                await self.compile_cache.restore_once()  # OPENRL_COMPILE_CACHE_SYNC: caches from storage
                 try:
                     with startup.timed("sampler_engine_start"):  # vLLM: load + torch.compile + CUDA graphs
                         engine = await asyncio.to_thread(
@@ -180,6 +190,7 @@ class SamplerFunction:
                     raise self.load_failures.record(base_model, key, exc) from exc
                 engine.dtype = dtype
                 self.engines[key] = engine
+                self.compile_cache.save_soon()
         return self.engines[key]
 
     async def handle(self, event):

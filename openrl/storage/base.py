@@ -134,6 +134,16 @@ class Storage:
         """Delete the internal object ``key`` (no-op when absent)."""
         raise NotImplementedError
 
+    def put_file(self, key: str, src: Path) -> None:
+        """Write (or replace) the internal object ``key`` (relative to the store's root, e.g.
+        ``.compile-cache/<tag>.tar.gz``) from the local file ``src``, streamed (large files)."""
+        raise NotImplementedError
+
+    def get_file(self, key: str, dest: Path) -> bool:
+        """Download the internal object ``key`` to ``dest`` (written whole or not at all);
+        False when there is no such object."""
+        raise NotImplementedError
+
     def put_export_request(self, path: TinkerPath, seq_id: int | None, recipients: list[str]) -> None:
         """Record that the ``external_weights`` checkpoint ``path`` saved by request ``seq_id``
         must be age-encrypted to ``recipients`` (see :mod:`openrl.storage.sealing`). The gateway

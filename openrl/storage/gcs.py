@@ -247,6 +247,22 @@ class GCSStorage(Storage):
         except _gexc().NotFound:
             pass
 
+    def put_file(self, key: str, src: Path) -> None:
+        blob = self.bucket.blob(self._obj(key), chunk_size=self.CHUNK_SIZE)
+        blob.upload_from_filename(str(src), content_type="application/octet-stream")
+
+    def get_file(self, key: str, dest: Path) -> bool:
+        fd, tmp = tempfile.mkstemp(dir=Path(dest).parent, prefix=".tmp-")
+        os.close(fd)
+        try:
+            self.bucket.blob(self._obj(key)).download_to_filename(tmp)
+            os.replace(tmp, dest)
+            return True
+        except _gexc().NotFound:
+            return False
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
     def copy(self, src: TinkerPath, dst: TinkerPath, manifest: dict) -> dict:
         """Server-side copy (GCS rewrite; no bytes through this process) of ``src``'s objects
         to ``dst``, create-only, then ``manifest``; a failed copy removes what it created."""

@@ -98,6 +98,30 @@ class FileStorage(Storage):
     def _delete_internal(self, key: str) -> None:
         self._internal_path(key).unlink(missing_ok=True)
 
+    def put_file(self, key: str, src: Path) -> None:
+        p = self._internal_path(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-")
+        os.close(fd)
+        try:
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, p)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+    def get_file(self, key: str, dest: Path) -> bool:
+        p = self._internal_path(key)
+        if not p.is_file():
+            return False
+        fd, tmp = tempfile.mkstemp(dir=Path(dest).parent, prefix=".tmp-")
+        os.close(fd)
+        try:
+            shutil.copyfile(p, tmp)
+            os.replace(tmp, dest)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return True
+
     def scratch_dir(self) -> Path:
         d = self.root / ".scratch"
         d.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,71 @@
+"""The sampler's side of :mod:`openrl.storage.compile_cache`: fetch the compile caches before
+the first engine starts, store them once it is up (in the background)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from openrl.observe import startup
+from openrl.storage import compile_cache
+
+log = logging.getLogger(__name__)
+
+
+def _tag(device: str) -> str:
+    import importlib.metadata
+
+    import torch
+
+    try:
+        vllm_version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        vllm_version = None
+    name = torch.cuda.get_device_name(0) if str(device).startswith("cuda") and torch.cuda.is_available() else None
+    return compile_cache.cache_tag(torch.__version__, vllm_version, name)
+
+
+class CompileCacheSync:
+    """One per sampler process.
+
+    Args:
+        storage: the sampler's :class:`openrl.storage.Storage`.
+        device: the sampler's device (``cpu``, ``cuda``, ``cuda:N``).
+        on: whether to sync (:func:`openrl.storage.compile_cache.enabled`).
+    """
+
+    def __init__(self, storage, device: str, on: bool):
+        self.storage, self.device, self.on = storage, device, on
+        self.known: dict[str, int] | None = None  # None: not restored yet
+        self.saving: asyncio.Task | None = None
+        self.last: dict = {}
+
+    async def restore_once(self) -> None:
+        """Before the first engine: point vLLM at its cache directory (as the backend would) and
+        unpack the stored archive there (start-up phase ``compile_cache_restore``)."""
+        if not self.on or self.known is not None:
+            return
+        from functions.sampler.backends.vllm_settings import configure_vllm_env
+
+        configure_vllm_env()  # VLLM_CACHE_ROOT, set before vLLM's import either way
+        with startup.timed("compile_cache_restore"):
+            got = await asyncio.to_thread(compile_cache.restore, self.storage, compile_cache.cache_dirs(),
+                                          _tag(self.device))
+        self.known = got.pop("known")
+        self.last = {"restore": got}
+
+    def save_soon(self) -> None:
+        """After an engine started: store the caches when the start added files (background)."""
+        if not self.on or self.known is None or (self.saving is not None and not self.saving.done()):
+            return
+
+        async def run() -> None:
+            try:
+                got = await asyncio.to_thread(compile_cache.save, self.storage, compile_cache.cache_dirs(),
+                                              _tag(self.device), self.known)
+                self.last["save"] = got
+            except Exception as exc:  # noqa: BLE001 - a cache never fails the sampler
+                log.warning("compile cache not stored: %s", exc)
+                self.last["save"] = {"error": str(exc)[:300]}
+
+        self.saving = asyncio.get_running_loop().create_task(run())
