@@ -295,7 +295,7 @@ step_stack_after_conform() {
       # shellcheck disable=SC2086
       ( [ $mode = ab ] && export $ab; stack_bench $half \
         ${ARGS:---sections rl --rl-runs 1,8 --shapes fixed --warmup 1 --rl-steps 5} ) > "$L/stack-$mode.log" 2>&1
-      el "stack bench $mode rc=$?"; grep '^{' "$L/stack-$mode.log" | grep '"what": "rl"' | cut -c1-700
+      el "stack bench $mode rc=$?"; grep '^{' "$L/stack-$mode.log" | grep -E '"what": "(rl|cold)"' | cut -c1-700
     done
     O=$o0
   else
