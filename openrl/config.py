@@ -123,6 +123,11 @@ class Settings(BaseSettings):
                     "reported by get_server_capabilities")
     vllm_max_loras: int | None = Field(None, ge=1, description="vLLM max_loras")
     vllm_max_lora_rank: int | None = Field(None, ge=1, description="vLLM max_lora_rank")
+    vllm_engine_args: dict[str, Any] | None = Field(
+        None, description="extra vLLM AsyncEngineArgs as JSON, e.g. "
+        "'{\"compilation_config\":{\"cudagraph_specialize_lora\":false}}' (a compilation_config is merged key "
+        "by key over the backend's; an unknown field fails the sampler's start naming it); for A/B runs of "
+        "vLLM's start and speed without a code change (functions/sampler/backends/vllm_settings.py)")
     vllm_preload: bool = Field(True, description="vLLM builds each adapter (read, cast, pin, pack) in a background "
                                "thread of its worker before add_lora, so the engine core's loop, where every run "
                                "decodes, only registers it (functions/sampler/backends/vllm_preload.py; measured "

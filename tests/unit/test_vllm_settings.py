@@ -51,6 +51,21 @@ def test_capture_sizes_and_engine_kwargs():
     assert own["compilation_config"]["cudagraph_capture_sizes"] == [1, 8]
 
 
+def test_engine_args_from_the_environment(monkeypatch):
+    """OPENRL_VLLM_ENGINE_ARGS (JSON) adds AsyncEngineArgs fields for A/B runs; a compilation_config
+    is merged key by key with the capture sizes; explicit engine_kwargs win; not an object: an error."""
+    env = {"OPENRL_VLLM_ENGINE_ARGS": '{"compilation_config":{"cudagraph_specialize_lora":false},"seed":3}'}
+    kw = engine_settings(env=env)
+    assert kw["compilation_config"] == {"cudagraph_specialize_lora": False, "cudagraph_capture_sizes": capture_sizes(256)}
+    assert kw["seed"] == 3
+    kw = engine_settings(engine_kwargs={"seed": 1, "compilation_config": {"cudagraph_specialize_lora": True}}, env=env)
+    assert kw["seed"] == 1 and kw["compilation_config"]["cudagraph_specialize_lora"] is True
+    with pytest.raises(ValueError, match="OPENRL_VLLM_ENGINE_ARGS"):
+        engine_settings(env={"OPENRL_VLLM_ENGINE_ARGS": "[1]"})
+    monkeypatch.setenv("OPENRL_VLLM_ENGINE_ARGS", '{"max_model_len": 4096}')
+    assert engine_settings()["max_model_len"] == 4096  # through Settings
+
+
 def test_compile_cache_in_the_state_dir(tmp_path):
     env = {"OPENRL_HOME": str(tmp_path)}
     assert configure_vllm_env(env) == {"VLLM_CACHE_ROOT": str(tmp_path / "cache" / "vllm"), "VLLM_NO_USAGE_STATS": "1",

@@ -4,6 +4,7 @@ Imports nothing of vLLM (tests run it without a GPU)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -36,6 +37,7 @@ GPU_MEMORY_ENV = ("OPENRL_SAMPLER_GPU_MEMORY", "OPENRL_VLLM_GPU_UTIL")
 MAX_NUM_SEQS_ENV = ("OPENRL_SAMPLER_MAX_NUM_SEQS", "OPENRL_VLLM_MAX_NUM_SEQS")
 MAX_LORAS_ENV = ("OPENRL_VLLM_MAX_LORAS",)
 MAX_LORA_RANK_ENV = ("OPENRL_VLLM_MAX_LORA_RANK",)
+ENGINE_ARGS_ENV = ("OPENRL_VLLM_ENGINE_ARGS",)
 
 
 def _env_value(names: tuple[str, ...], env: Mapping[str, str]) -> str | None:
@@ -97,7 +99,8 @@ def engine_settings(
     (``max(max_loras, 16)``), ``gpu_memory_utilization`` (:data:`DEFAULT_GPU_MEMORY`),
     ``enforce_eager`` and, unless eager or given in ``engine_kwargs``, a
     ``compilation_config`` with ``cudagraph_capture_sizes`` up to ``max_num_seqs``;
-    ``engine_kwargs`` entries are merged last (a ``compilation_config`` dict key by key).
+    ``engine_kwargs`` entries are merged last (a ``compilation_config`` dict key by key), over
+    ``OPENRL_VLLM_ENGINE_ARGS`` (JSON; :attr:`openrl.config.Settings.vllm_engine_args`).
 
     Raises:
         ValueError: a value out of range (rank not in :data:`VLLM_LORA_RANKS`, memory share
@@ -107,9 +110,20 @@ def engine_settings(
         s = Settings()
         env_seqs, env_loras, env_rank, env_mem = (s.sampler_max_num_seqs, s.vllm_max_loras, s.vllm_max_lora_rank,
                                                   s.sampler_gpu_memory)
+        env_args = s.vllm_engine_args or {}
     else:  # an explicit mapping of variable names (tests)
         env_seqs, env_loras, env_rank, env_mem = (_env_value(MAX_NUM_SEQS_ENV, env), _env_value(MAX_LORAS_ENV, env),
                                                   _env_value(MAX_LORA_RANK_ENV, env), _env_value(GPU_MEMORY_ENV, env))
+        raw = _env_value(ENGINE_ARGS_ENV, env)
+        env_args = json.loads(raw) if raw else {}
+        if not isinstance(env_args, dict):
+            raise ValueError(f"{ENGINE_ARGS_ENV[0]} must be a JSON object, got {raw!r}")
+    if env_args:  # OPENRL_VLLM_ENGINE_ARGS under the explicit engine_kwargs (compilation_config key by key)
+        given = dict(engine_kwargs or {})
+        cc = {**(env_args.get("compilation_config") or {}), **(given.get("compilation_config") or {})}
+        engine_kwargs = {**env_args, **given}
+        if cc:
+            engine_kwargs["compilation_config"] = cc
     seqs = int(max_batch_rows or env_seqs or DEFAULT_MAX_NUM_SEQS)
     loras = int(max_loras or env_loras or DEFAULT_MAX_LORAS)
     rank = int(max_lora_rank or env_rank or 32)
@@ -145,6 +159,7 @@ __all__ = [
     "GPU_MEMORY_ENV",
     "MAX_LORAS_ENV",
     "MAX_LORA_RANK_ENV",
+    "ENGINE_ARGS_ENV",
     "MAX_NUM_SEQS_ENV",
     "VLLM_LORA_RANKS",
     "capture_sizes",
