@@ -40,3 +40,21 @@ def count_downloads(store) -> list[str]:
 
     store._download_file = counting
     return calls
+
+
+def file_or_gcs_storage(kind: str, request, tmp_path, monkeypatch):
+    """A fresh store of ``kind``: ``"file"`` (FileStorage under ``tmp_path``) or ``"gcs"`` (a new
+    bucket on the session's emulator, the real google-cloud-storage client; ``STORAGE_EMULATOR_HOST``
+    set for this test). For ``@pytest.fixture(params=["file", "gcs"])`` fixtures."""
+    import uuid
+
+    from openrl.storage import FileStorage
+
+    if kind == "file":
+        return FileStorage(tmp_path / "store")
+    from openrl.storage.gcs import GCSStorage, make_client
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", request.getfixturevalue("gcs_emulator"))
+    bucket = f"openrl-{uuid.uuid4().hex[:12]}"
+    make_client().create_bucket(bucket)
+    return GCSStorage(bucket, "ckpts", cache_dir=tmp_path / "gcs-cache")

@@ -101,25 +101,13 @@ class FileStorage(Storage):
     def put_file(self, key: str, src: Path) -> None:
         p = self._internal_path(key)
         p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-")
-        os.close(fd)
-        try:
-            shutil.copyfile(src, tmp)
-            os.replace(tmp, p)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+        _copy_whole(src, p)
 
     def get_file(self, key: str, dest: Path) -> bool:
         p = self._internal_path(key)
         if not p.is_file():
             return False
-        fd, tmp = tempfile.mkstemp(dir=Path(dest).parent, prefix=".tmp-")
-        os.close(fd)
-        try:
-            shutil.copyfile(p, tmp)
-            os.replace(tmp, dest)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+        _copy_whole(p, Path(dest))
         return True
 
     def scratch_dir(self) -> Path:
@@ -257,3 +245,12 @@ class FileStorage(Storage):
         shutil.rmtree(base, ignore_errors=True)
 
 
+def _copy_whole(src: Path, dest: Path) -> None:
+    """Copy ``src`` to ``dest`` through a temp file beside ``dest``: readers see all or nothing."""
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-")
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dest)
+    finally:
+        Path(tmp).unlink(missing_ok=True)

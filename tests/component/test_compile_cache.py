@@ -7,27 +7,19 @@ the archive again. The vLLM engine that fills the directories runs only on a GPU
 from __future__ import annotations
 
 import tarfile
-import uuid
 from pathlib import Path
 
 import pytest
 
-from fixtures_gcs import gcs_emulator  # noqa: F401  (session fixture)
-from openrl.storage import FileStorage
+from fixtures_gcs import file_or_gcs_storage, gcs_emulator  # noqa: F401  (session fixture)
 from openrl.storage.compile_cache import PREFIX, cache_dirs, cache_tag, enabled, restore, save
-from openrl.storage.gcs import GCSStorage, make_client
 
 TAG = cache_tag("2.11.0+cu130", "0.24.0", "NVIDIA H100 80GB HBM3")
 
 
 @pytest.fixture(params=["gcs", "file"])
 def storage(request, tmp_path, monkeypatch):
-    if request.param == "file":
-        return FileStorage(tmp_path / "store")
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", request.getfixturevalue("gcs_emulator"))
-    bucket = f"openrl-{uuid.uuid4().hex[:12]}"
-    make_client().create_bucket(bucket)
-    return GCSStorage(bucket, "ckpts", cache_dir=tmp_path / "gcs-cache")
+    return file_or_gcs_storage(request.param, request, tmp_path, monkeypatch)
 
 
 def _pod(root: Path) -> dict[str, Path]:

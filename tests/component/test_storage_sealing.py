@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures_gcs import gcs_emulator  # noqa: F401  (session fixture)
+from fixtures_gcs import file_or_gcs_storage, gcs_emulator  # noqa: F401  (session fixture)
 from openrl.errors import UserError
 from openrl.storage import FileStorage, TinkerPath, build_manifest
 from openrl.storage.sealing import AGE_SUFFIX, export_request_key, is_sealed, parse_recipients
@@ -23,14 +23,7 @@ FILES = {"adapter_model.safetensors": b"\x00weights" * 1000, "adapter_config.jso
 
 @pytest.fixture(params=["file", "gcs"])
 def store(request, tmp_path, monkeypatch):
-    if request.param == "file":
-        return FileStorage(tmp_path / "fs")
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", request.getfixturevalue("gcs_emulator"))
-    from openrl.storage.gcs import GCSStorage, make_client
-
-    bucket = f"openrl-{uuid.uuid4().hex[:12]}"
-    make_client().create_bucket(bucket)
-    return GCSStorage(bucket, "ckpts", cache_dir=tmp_path / "cache")
+    return file_or_gcs_storage(request.param, request, tmp_path, monkeypatch)
 
 
 def _save(store, path: TinkerPath, tmp_path: Path, seq_id: int) -> dict:

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE_MODEL, _make_stack
-from fixtures_gcs import gcs_emulator  # noqa: F401  (session fixture)
+from fixtures_gcs import file_or_gcs_storage, gcs_emulator  # noqa: F401  (session fixture)
 from openrl.errors import UserError
 from openrl.storage import (
     RUNSTATE_DIR,
@@ -55,14 +55,7 @@ PERIODIC = "0.3"  # OPENRL_FLUSH_INTERVAL_S of a trainer that flushes periodical
 
 @pytest.fixture(params=["file", "gcs"])
 def store(request, tmp_path, monkeypatch):
-    if request.param == "file":
-        return FileStorage(tmp_path / "root")
-    from openrl.storage.gcs import GCSStorage, make_client
-
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", request.getfixturevalue("gcs_emulator"))
-    bucket = f"openrl-rs-{uuid.uuid4().hex[:10]}"
-    make_client().create_bucket(bucket)
-    return GCSStorage(bucket, "ck", cache_dir=tmp_path / "cache")
+    return file_or_gcs_storage(request.param, request, tmp_path, monkeypatch)
 
 
 def _files(d: Path, **content: bytes) -> Path:
@@ -75,7 +68,7 @@ def _files(d: Path, **content: bytes) -> Path:
 def _names(store) -> list[str]:
     if isinstance(store, FileStorage):
         return sorted(str(p.relative_to(store.root)) for p in store.root.rglob("*") if p.is_file())
-    return sorted(b.name.split("/", 1)[1] for b in store.client.list_blobs(store.bucket_name, prefix="ck/"))
+    return sorted(b.name.split("/", 1)[1] for b in store.client.list_blobs(store.bucket_name, prefix="ckpts/"))
 
 
 def test_run_state_pointer_cas_and_snapshot_gc(store, tmp_path):
@@ -126,7 +119,7 @@ def test_run_state_corruption_is_detected(store, tmp_path):
     if isinstance(store, FileStorage):
         (store.root / name).write_bytes(b"evil bytes")
     else:
-        store.bucket.blob(f"ck/{name}").upload_from_string(b"evil bytes")
+        store.bucket.blob(f"ckpts/{name}").upload_from_string(b"evil bytes")
     with pytest.raises(ChecksumMismatch):
         store.get_run_state(run)
 
