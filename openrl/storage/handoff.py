@@ -164,7 +164,7 @@ class SnapshotHandoff:
     def unpin_except(self, keep: set[str]) -> None:
         """Drop this process's pins whose ``tinker://`` path is not in ``keep``."""
         base = self._pins()
-        for m in base.glob(f"*/*/*/{META_NAME}"):
+        for m in _below(base, 3, META_NAME):
             try:
                 if json.loads(m.read_text()).get("tinker_path") not in keep:
                     shutil.rmtree(m.parent, ignore_errors=True)
@@ -173,7 +173,7 @@ class SnapshotHandoff:
 
     def drop_dead_pins(self) -> None:
         """Remove the pins of processes that no longer run (a sampler that crashed)."""
-        for d in (self.root / PINS_DIR).glob("*"):
+        for d in _below(self.root / PINS_DIR, 1):
             try:
                 os.kill(int(d.name), 0)
             except (ValueError, ProcessLookupError):
@@ -284,7 +284,7 @@ class SnapshotHandoff:
     def entries(self) -> list[tuple[TinkerPath, Path, dict]]:
         """Every entry: ``(path, directory, meta)``, oldest first."""
         out = []
-        for m in self.root.glob(f"*/*/*/{META_NAME}"):
+        for m in _below(self.root, 3, META_NAME):
             if m.parts[len(self.root.parts)] == PINS_DIR:
                 continue
             try:
@@ -301,7 +301,7 @@ class SnapshotHandoff:
 
     def size(self) -> int:
         """Bytes of the entries' files and of the spare files."""
-        return sum(f.stat().st_size for f in self.root.glob("*/*/*/*")
+        return sum(_size_or_0(f) for f in _below(self.root, 4)
                    if f.is_file() and f.parts[len(self.root.parts)] != PINS_DIR) + \
             sum(_size_or_0(f) for f in self._spares())
 
@@ -337,6 +337,26 @@ class SnapshotHandoff:
     def clear(self) -> None:
         """Remove the whole directory (the stack stopped; storage holds what was durable)."""
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _below(base: Path, depth: int, name: str | None = None) -> list[Path]:
+    """The paths exactly ``depth`` levels below ``base`` (``base.glob("*/" * depth)``, hidden names
+    included), or with ``name`` the existing ``<those at depth>/name``. Directories that vanish
+    while they are listed (a writer renaming its ``.tmp-*`` directory into place, an eviction) are
+    skipped: ``Path.glob`` raised FileNotFoundError there and failed a concurrent save (CI, 3.11)."""
+    level = [base]
+    for _ in range(depth):
+        nxt: list[Path] = []
+        for d in level:
+            try:
+                with os.scandir(d) as it:
+                    nxt.extend(Path(e.path) for e in it)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+        level = nxt
+    if name is None:
+        return level
+    return [p / name for p in level if (p / name).exists()]
 
 
 def _size_or_0(f: Path) -> int:

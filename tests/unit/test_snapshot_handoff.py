@@ -447,3 +447,30 @@ def test_writer_with_spares_writes_the_next_snapshot_over_a_spare(tmp_path):
         assert len(list((handoff.root / SPARES_DIR).iterdir())) == 1  # refilled
 
     asyncio.run(go())
+
+
+def test_size_and_entries_skip_a_directory_that_vanishes_while_listed(tmp_path, monkeypatch):
+    """A concurrent writer renames its ``.tmp-*`` directory into place while another save counts
+    the handoff's bytes (``size()`` in ``make_room``): the vanished directory is skipped, not an
+    error that fails the save (seen in CI with two writers, Python 3.11's ``Path.glob``). The race
+    is made certain by removing the directory just before it is listed."""
+    import os
+    import shutil
+
+    handoff, _storage = _writer(tmp_path)
+    p = _path()
+    handoff.put(p, 1000, _fill(), _meta(p))
+    before = handoff.size()
+    tmp = handoff.dir_of(p).parent / ".tmp-racing"
+    tmp.mkdir()
+    (tmp / "adapter_model.safetensors").write_bytes(b"x" * 10)
+    real = os.scandir
+
+    def scandir(d):
+        if str(d).endswith(".tmp-racing"):
+            shutil.rmtree(d)  # renamed into place by the other writer, just now
+        return real(d)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert handoff.size() == before
+    assert [e[0] for e in handoff.entries()] == [p]
