@@ -39,6 +39,7 @@ class CompileCacheSync:
         self.known: dict[str, int] | None = None  # None: not restored yet
         self.saving: asyncio.Task | None = None
         self.last: dict = {}
+        self.tag: str | None = None  # the archive's name (compile_cache.cache_tag), set by restore_once
 
     async def restore_once(self) -> None:
         """Before the first engine: point vLLM at its cache directory (as the backend would) and
@@ -48,9 +49,9 @@ class CompileCacheSync:
         from functions.sampler.backends.vllm_settings import configure_vllm_env
 
         configure_vllm_env()  # VLLM_CACHE_ROOT, set before vLLM's import either way
+        self.tag = _tag(self.device)
         with startup.timed("compile_cache_restore"):
-            got = await asyncio.to_thread(compile_cache.restore, self.storage, compile_cache.cache_dirs(),
-                                          _tag(self.device))
+            got = await asyncio.to_thread(compile_cache.restore, self.storage, compile_cache.cache_dirs(), self.tag)
         self.known = got.pop("known")
         self.last = {"restore": got}
 
@@ -62,10 +63,21 @@ class CompileCacheSync:
         async def run() -> None:
             try:
                 got = await asyncio.to_thread(compile_cache.save, self.storage, compile_cache.cache_dirs(),
-                                              _tag(self.device), self.known)
+                                              self.tag, self.known)
                 self.last["save"] = got
             except Exception as exc:  # noqa: BLE001 - a cache never fails the sampler
                 log.warning("compile cache not stored: %s", exc)
                 self.last["save"] = {"error": str(exc)[:300]}
 
         self.saving = asyncio.get_running_loop().create_task(run())
+
+    def describe(self) -> str | None:
+        """What ``openrl status`` shows (``compile_cache``): the restore and the last store, or
+        None when the sync is off or has not run."""
+        if not self.on or not self.last:
+            return None
+        r, w = self.last.get("restore", {}), self.last.get("save", {})
+        out = f"restored {r.get('files', 0)} files" if r.get("found") else "none stored yet"
+        if "error" in w:
+            return f"{out}; store failed: {w['error']}"
+        return f"{out}; stored {w['new']} new files" if w.get("stored") else out

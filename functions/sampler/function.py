@@ -147,10 +147,9 @@ class SamplerFunction:
                 out["routed"] = ", ".join(f"{k}: {v}" for k, v in sorted(info["routed"].items()))
             if info.get("secondary_error"):
                 out["fallback_error"] = info["secondary_error"]
-        if self.compile_cache.on and self.compile_cache.last:  # OPENRL_COMPILE_CACHE_SYNC
-            r, w = self.compile_cache.last.get("restore", {}), self.compile_cache.last.get("save", {})
-            out["compile_cache"] = (f"restored {r.get('files', 0)} files" if r.get("found") else "none stored yet") + (
-                f"; store failed: {w['error']}" if "error" in w else f"; stored {w['new']} new files" if w.get("stored") else "")
+        cc = self.compile_cache.describe()  # OPENRL_COMPILE_CACHE_SYNC
+        if cc:
+            out["compile_cache"] = cc
         failed = describe_failures(self.load_failures)
         if failed:
             out["models_failed"] = failed

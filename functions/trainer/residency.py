@@ -105,15 +105,6 @@ def engine_slots(engine) -> list[Slot]:
     return slots
 
 
-def resident_bytes(engine) -> int:
-    """Bytes of the engine's tensors (:func:`engine_slots`) on its device (0 when they are in
-    host memory, or the device is the CPU)."""
-    if engine.device.type == "cpu":
-        return 0
-    ts = [s.get() for s in engine_slots(engine)]
-    return sum(t.numel() * t.element_size() for t in ts if t.device.type == engine.device.type)
-
-
 class HostStash:
     """A flat host buffer, page-locked (``cudaHostRegister``) at its exact size, that holds the
     engine's tensors while it sleeps. ``torch``'s pinned allocator would round 16 GB up to 32 GB
