@@ -376,8 +376,11 @@ class FutureWaiter:
 
 
 def now_iso() -> str:
-    """UTC time as ISO-8601 with a Z."""
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1000) % 1000:03d}Z"
+    """UTC time as ISO-8601 with milliseconds and a Z, from one clock reading (seconds and
+    milliseconds from two readings could put a time near a second's end up to 1 s early, so
+    records sorted by it, e.g. training runs newest first, came out of order)."""
+    t = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
 
 
 def dumps(obj: Any) -> bytes:

@@ -71,3 +71,15 @@ def test_records_keep_unknown_keys_and_future_records_round_trip():
     assert run.to_record()["newer_field"] == 1 and run.frozen is False
     rec = records.FutureRecord("ok", "sample", body=b"\x00\n\x01", meta={"owner": "o"})
     assert records.FutureRecord.decode(rec.encode()) == rec
+
+
+def test_now_iso_reads_the_clock_once(monkeypatch):
+    """openrl.transport.bus.now_iso: seconds and milliseconds of one clock reading (two readings
+    put a time near a second's end up to 1 s early, and training runs listed newest first came
+    out of order in CI)."""
+    from openrl.transport import bus
+
+    monkeypatch.setattr(bus.time, "time", lambda: 1796522641.9996)
+    assert bus.now_iso() == "2026-12-06T02:04:01.999Z"
+    monkeypatch.setattr(bus.time, "time", lambda: 1796522642.0004)
+    assert bus.now_iso() == "2026-12-06T02:04:02.000Z"
