@@ -38,6 +38,7 @@ pack_logs() {  # name logdir
     [ -f "$f" ] && tail -c 2000000 "$f" > "$d/$(echo "${f#$SB/}" | tr / _)"
   done
   cp -r "$2" "$d/call" 2>/dev/null
+  [ -d "$SB/stacks" ] && cp -r "$SB/stacks" "$d/stacks"   # stack_h200.py --stacks: the sampled stacks
   tar czf "$O/$1.tgz" -C "$d" . && du -sh "$O/$1.tgz"
 }
 gpu_info() {

@@ -87,6 +87,7 @@ T_START = time.time()
 DEADLINE: float | None = None
 RECORDS: list[dict] = []
 PROFILE_DIR: Path | None = None
+STACKS: tuple[Path, float] | None = None  # --stacks: (dir of the raw dumps, seconds between dumps)
 
 
 def log(**kw) -> None:
@@ -164,6 +165,12 @@ class Serve:
         if PROFILE_DIR is not None:  # cProfile the sampler worker (bench/profile_site/sitecustomize.py)
             env["PYTHONPATH"] = str(ROOT / "bench" / "profile_site") + os.pathsep + env["PYTHONPATH"]
             env["OPENRL_BENCH_PROFILE"] = str(PROFILE_DIR)
+        if STACKS is not None:  # sampled stacks of every process (bench/profile_site/sitecustomize.py)
+            site = str(ROOT / "bench" / "profile_site")
+            if site not in env["PYTHONPATH"].split(os.pathsep):
+                env["PYTHONPATH"] = site + os.pathsep + env["PYTHONPATH"]
+            env["OPENRL_BENCH_STACKS"] = str(STACKS[0] / self.tag)
+            env["OPENRL_BENCH_STACKS_EVERY"] = str(STACKS[1])
         if self.model_dir is not None:
             if "--model" in flags:
                 cmd += ["--model", f"{BASE}={self.model_dir}"]
@@ -1046,6 +1053,9 @@ def main() -> None:
                     "rl: per operation, queued and handled seconds of the timed steps' requests (ops)")
     ap.add_argument("--profile-sampler", action="store_true",
                     help="cProfile the stack's sampler worker (main thread) -> OUT/sampler_profile.txt")
+    ap.add_argument("--stacks", type=float, default=0, metavar="EVERY_S",
+                    help="sample the Python stacks of every stack process every EVERY_S seconds for its first "
+                         "240 s (faulthandler; bench/stack_samples.py) -> OUT/stacks_<start>.md (0: off)")
     ap.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--adapters", default="", help=argparse.SUPPRESS)
     ap.add_argument("--direct-rows", default="0",
@@ -1080,6 +1090,13 @@ def main() -> None:
         PROFILE_DIR.mkdir(parents=True, exist_ok=True)
         for f in PROFILE_DIR.glob("*.prof"):
             f.unlink()
+    global STACKS
+    if a.stacks > 0:
+        STACKS = (Path(a.state_dir) / "stacks" / OUT.name, a.stacks)  # (A/B runs: OUT is default/ or ab/)
+        if STACKS[0].exists():
+            import shutil
+
+            shutil.rmtree(STACKS[0])
     if a.budget_s:
         DEADLINE = T_START + a.budget_s
     if a.direct:
@@ -1142,12 +1159,24 @@ def main() -> None:
             log(what="section_done", section="cold", s=round(time.time() - t, 1))
     finally:
         _kill_all()
+        if STACKS is not None:
+            stacks_report(STACKS[0])
         md = summary()
         (OUT / "stack.md").write_text(md + "\n")
         print(md, flush=True)
         log(what="done", total_s=round(time.time() - T_START, 1))
     sys.stdout.flush()
     os._exit(0)  # the SDK's background threads
+
+
+def stacks_report(root: Path) -> None:
+    """--stacks: bench/stack_samples.py over each start's dumps -> OUT/stacks_<start>.md (the raw dumps stay
+    under the state dir, for the call's logs)."""
+    for d in sorted(p for p in root.glob("*") if p.is_dir()):
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "stack_samples.py"), str(d), "--min-s", "1.0",
+                            "--out", str(OUT / f"stacks_{d.name}.md")], capture_output=True, text=True)
+        log(what="stacks", start=d.name, rc=r.returncode, out=str(OUT / f"stacks_{d.name}.md"),
+            err=r.stderr[-500:] or None)
 
 
 H = sys.modules[__name__]  # what bench/stack_shapes.py calls back into (log, enough, scrape, ...)

@@ -67,6 +67,43 @@ def _files(dirs: Mapping[str, Path]) -> dict[str, int]:
     return out
 
 
+def merge_triton(vllm_root: Path, triton_dir: Path) -> int:
+    """Copy the Triton kernels that vLLM compiled into its per-hash ``triton_cache`` directories
+    (``<vllm_root>/torch_compile_cache/.../triton_cache/<key>/``, written while it compiled the
+    model) into ``triton_dir`` (``TRITON_CACHE_DIR``), where a later start that loads the compiled
+    model from the cache looks for them (:func:`functions.sampler.backends.vllm_settings.configure_vllm_env`).
+
+    A kernel is a directory named by Triton's cache key; one already in ``triton_dir`` is kept, one
+    still being written (``tmp.*``, Triton's staging name) is skipped, and each copy is renamed into
+    place whole. Returns the number of kernels copied. Never raises for an unreadable entry (logged).
+    """
+    import shutil
+
+    copied = 0
+    if not vllm_root.is_dir():
+        return 0
+    triton_dir.mkdir(parents=True, exist_ok=True)
+    for base, subdirs, _ in os.walk(vllm_root):
+        if os.path.basename(base) != "triton_cache":
+            subdirs[:] = [d for d in subdirs if d != "inductor_cache"]
+            continue
+        subdirs[:] = []  # the kernels below are copied whole
+        for key in os.listdir(base):
+            src, dst = Path(base) / key, triton_dir / key
+            if key.startswith("tmp.") or not src.is_dir() or dst.exists():
+                continue
+            part = triton_dir / f"tmp.openrl-{os.getpid()}-{key}"
+            try:
+                shutil.copytree(src, part)
+                os.rename(part, dst)
+                copied += 1
+            except OSError as exc:  # another start copied it first, or the entry went away
+                shutil.rmtree(part, ignore_errors=True)
+                if not dst.exists():
+                    log.warning("triton kernel %s not copied: %s", key, exc)
+    return copied
+
+
 def restore(storage, dirs: Mapping[str, Path], tag: str) -> dict:
     """Unpack the stored archive ``tag`` into ``dirs`` (files already there are kept).
 

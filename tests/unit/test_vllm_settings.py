@@ -68,12 +68,15 @@ def test_engine_args_from_the_environment(monkeypatch):
 
 def test_compile_cache_in_the_state_dir(tmp_path):
     env = {"OPENRL_HOME": str(tmp_path)}
-    assert configure_vllm_env(env) == {"VLLM_CACHE_ROOT": str(tmp_path / "cache" / "vllm"), "VLLM_NO_USAGE_STATS": "1",
-                                       "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    assert configure_vllm_env(env) == {"VLLM_CACHE_ROOT": str(tmp_path / "cache" / "vllm"),
+                                       "TRITON_CACHE_DIR": str(tmp_path / "cache" / "triton"),
+                                       "VLLM_NO_USAGE_STATS": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "cache" / "vllm")
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "cache" / "triton")
     env = {"OPENRL_HOME": str(tmp_path), "VLLM_CACHE_ROOT": "/elsewhere", "VLLM_NO_USAGE_STATS": "0",
-           "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+           "VLLM_WORKER_MULTIPROC_METHOD": "fork", "TRITON_CACHE_DIR": "/kernels"}
     assert configure_vllm_env(env) == {} and env["VLLM_CACHE_ROOT"] == "/elsewhere"
+    assert env["TRITON_CACHE_DIR"] == "/kernels"
 
 
 def test_engine_leaves_the_batch_width_to_the_backend(monkeypatch, tmp_path):
@@ -95,3 +98,29 @@ def test_engine_leaves_the_batch_width_to_the_backend(monkeypatch, tmp_path):
     assert "max_batch_rows" not in seen
     sampler_engine.make_backend("vllm", tmp_path, device="cuda", max_batch_rows=32)
     assert seen["max_batch_rows"] == 32
+
+
+def test_merge_triton_keeps_the_first_starts_kernels_for_the_next(tmp_path):
+    """vLLM writes the kernels of a compiling start under its per-hash ``triton_cache``; a start that
+    loads the compiled model looks in TRITON_CACHE_DIR (seen on the H100: every restart JIT-compiled
+    the LoRA kernels again). merge_triton copies them there once, whole, and keeps what is there."""
+    from openrl.storage.compile_cache import merge_triton
+
+    root, tri = tmp_path / "vllm", tmp_path / "triton"
+    hashed = root / "torch_compile_cache" / "a8137a33b6" / "rank_0_0" / "triton_cache"
+    for key, files in {"K1": {"_lora_shrink.cubin": b"c1", "_lora_shrink.json": b"{}"},
+                       "K2": {"__triton_launcher.so": b"so"},
+                       "tmp.pid_7_123": {"half.cubin": b"?"}}.items():
+        for name, data in files.items():
+            (hashed / key).mkdir(parents=True, exist_ok=True)
+            (hashed / key / name).write_bytes(data)
+    (root / "torch_compile_cache" / "a8137a33b6" / "rank_0_0" / "inductor_cache" / "triton_cache").mkdir(parents=True)
+    (tri / "K2").mkdir(parents=True)
+    (tri / "K2" / "__triton_launcher.so").write_bytes(b"mine")
+
+    assert merge_triton(root, tri) == 1  # K1; K2 is there already, tmp.* is still being written
+    assert (tri / "K1" / "_lora_shrink.cubin").read_bytes() == b"c1" and (tri / "K1" / "_lora_shrink.json").exists()
+    assert (tri / "K2" / "__triton_launcher.so").read_bytes() == b"mine"
+    assert sorted(p.name for p in tri.iterdir()) == ["K1", "K2"]
+    assert merge_triton(root, tri) == 0  # a second call copies nothing
+    assert merge_triton(tmp_path / "missing", tri) == 0

@@ -227,6 +227,12 @@ class VLLMBackend:
         # CUDA-graph capture, warm-up (vLLM's own log splits it)
         with startup.timed("vllm_engine_core"):
             self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
+        from openrl.storage.compile_cache import merge_triton
+
+        n = merge_triton(Path(os.environ["VLLM_CACHE_ROOT"]), Path(os.environ["TRITON_CACHE_DIR"]))
+        if n:
+            log.info("%d Triton kernels of this start's compile kept in %s for the next start", n,
+                     os.environ["TRITON_CACHE_DIR"])
         self._ids: dict[str, int] = {}  # adapter key -> LoRA int id
         self._requests: dict[str, Any] = {}  # key -> LoRARequest
         self._next_id = 1

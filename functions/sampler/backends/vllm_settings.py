@@ -54,6 +54,13 @@ def configure_vllm_env(env: "os._Environ[str] | dict[str, str] | None" = None) -
     - ``VLLM_CACHE_ROOT`` (torch.compile artefacts, CUDA-graph and kernel caches): unless set,
       ``$OPENRL_HOME/cache/vllm`` (default ``~/.openrl/cache/vllm``), so the state directory
       keeps the compile cache and the second ``openrl serve`` starts the engine faster.
+    - ``TRITON_CACHE_DIR``: unless set, ``$OPENRL_HOME/cache/triton``. vLLM points Triton at a
+      directory of its compile hash only while it compiles the model; a start that loads the
+      compiled model from the cache leaves Triton at its default, so the LoRA shrink/expand and
+      sampler kernels were JIT-compiled again at every restart (about 20 s of the engine core's
+      start on an H100, bench/stack_samples.py, 2026-12-06). With one directory for every start
+      and :func:`openrl.storage.compile_cache.merge_triton` copying the first start's kernels into
+      it, the second start finds them.
     - ``VLLM_NO_USAGE_STATS=1`` unless set (no usage reporting from a self-hosted service).
     - ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` unless set: the sampler process has initialised CUDA
       (device resolution, ``torch.cuda.is_available()``) before the engine starts, and vLLM's
@@ -67,6 +74,8 @@ def configure_vllm_env(env: "os._Environ[str] | dict[str, str] | None" = None) -
     done: dict[str, str] = {}
     if not env.get("VLLM_CACHE_ROOT"):
         done["VLLM_CACHE_ROOT"] = str(home / "cache" / "vllm")
+    if not env.get("TRITON_CACHE_DIR"):
+        done["TRITON_CACHE_DIR"] = str(home / "cache" / "triton")
     if not env.get("VLLM_NO_USAGE_STATS"):
         done["VLLM_NO_USAGE_STATS"] = "1"
     if not env.get("VLLM_WORKER_MULTIPROC_METHOD"):
