@@ -159,13 +159,17 @@ class Settings(BaseSettings):
                                  "of its size (a rank-32 Qwen3-4B adapter: 284 MB of each)")
     handoff_max_bytes: int = Field(0, ge=0, description="most bytes of snapshots the handoff holds; 0 = a quarter "
                                    "of its file system, at most 16 GiB")
-    idle_timeout: float = Field(300.0, ge=0, description="embedded stack (openrl serve / run): seconds a worker's "
-                                "queue stays empty before it is stopped (scale to zero); 0 = keep it up")
+    idle_timeout: float = Field(1800.0, ge=0, description="embedded stack (openrl serve / run): seconds a worker's "
+                                "queue stays empty before it is stopped (scale to zero; the next request is a cold "
+                                "start, about 95 s for a vLLM sampler on an H100); 0 = keep it up. Idle sleep "
+                                "(sleep_after) frees the GPU long before")
     sleep_after: float = Field(0.0, ge=0, description="seconds a trainer / sampler worker has no request in flight "
                                "before it sleeps: it keeps its process and moves its weights (and the trainer's "
                                "runs) to host memory, giving the GPU back, and wakes before the next request "
                                "(openrl/transport/bindings/idle_sleep.py); 0 = never. Below idle_timeout it "
-                               "comes first; scale to zero still follows after idle_timeout")
+                               "comes first; scale to zero still follows after idle_timeout. Unset, openrl serve / "
+                               "run use 60 s (openrl.transport.embedded.SERVE_SLEEP_AFTER) and a worker started "
+                               "on its own (a Knative revision) 0")
     compile_cache_sync: Literal["auto", "on", "off"] = Field(
         "auto", description="the sampler keeps its compile caches (VLLM_CACHE_ROOT, TRITON_CACHE_DIR, "
         "TORCHINDUCTOR_CACHE_DIR) in storage under .compile-cache/: fetched before its engine starts, stored "

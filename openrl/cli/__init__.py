@@ -230,12 +230,12 @@ def _add_supervisor_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-timeout", type=_idle_timeout, default=None, metavar="SECONDS",
                    help="stop the trainer / sampler after their work queue stayed empty this long and start them "
                         "again when requests queue up (scale to zero; frees the GPU); 0 keeps them up "
-                        "(default $OPENRL_IDLE_TIMEOUT, else 300)")
+                        "(default $OPENRL_IDLE_TIMEOUT, else 1800; idle workers sleep long before, see --sleep-after)")
     p.add_argument("--sleep-after", type=_idle_timeout, default=None, metavar="SECONDS",
                    help="let the trainer / sampler sleep after no request was in flight this long: the process "
                         "stays, its weights (and the trainer's runs) move to host memory so the GPU is free, and "
                         "the next request wakes it (a host-to-device copy instead of a cold start); 0 = never "
-                        "(default $OPENRL_SLEEP_AFTER, else 0). Scale to zero still follows after --idle-timeout")
+                        "(default $OPENRL_SLEEP_AFTER, else 60). Scale to zero still follows after --idle-timeout")
 
 
 def _add_gpu_flags(p: argparse.ArgumentParser) -> None:

@@ -537,19 +537,32 @@ def _log_supervisor(state_dir: Path) -> None:
     lg.propagate = False
 
 
+#: ``openrl serve`` / ``openrl run``: seconds with no request in flight before the trainer and the
+#: sampler sleep (GPU memory freed, the process kept; back in under a second on an H200: 0.63 s to
+#: the first forward_backward, 0.41 s to the first sample, docs/benchmarks.md), unless
+#: ``--sleep-after`` or ``OPENRL_SLEEP_AFTER`` says otherwise. A worker started outside the
+#: embedded stack (a Knative revision) keeps ``Settings.sleep_after`` (0: Knative scales its pods).
+SERVE_SLEEP_AFTER = 60.0
+
+
 def _stack_from_args(args) -> Stack:
     """The supervised stack of ``openrl serve`` / ``openrl run`` from their parsed flags
-    (``--idle-timeout`` unset: ``Settings().idle_timeout``)."""
-    state = Path(getattr(args, "state_dir", None) or Settings().home_dir)
+    (``--idle-timeout`` unset: ``Settings().idle_timeout``; ``--sleep-after`` unset:
+    ``OPENRL_SLEEP_AFTER`` if set, else :data:`SERVE_SLEEP_AFTER`)."""
+    cfg = Settings()
+    state = Path(getattr(args, "state_dir", None) or cfg.home_dir)
     idle = getattr(args, "idle_timeout", None)
+    sleep_after = getattr(args, "sleep_after", None)
+    if sleep_after is None:
+        sleep_after = cfg.sleep_after if "sleep_after" in cfg.model_fields_set else SERVE_SLEEP_AFTER
     return Stack(state_dir=state.expanduser().resolve(), host=getattr(args, "host", "127.0.0.1"),
                  port=int(getattr(args, "port", 8000)), storage=getattr(args, "storage", None),
                  build=not getattr(args, "no_build", False), push=bool(getattr(args, "push", False)),
                  device=getattr(args, "device", None), trainer_gpu_memory=getattr(args, "trainer_gpu_memory", None),
                  sampler_gpu_memory=getattr(args, "sampler_gpu_memory", None),
                  preload=[name for name, _ in getattr(args, "model", None) or []], supervise=True,
-                 idle_timeout=Settings().idle_timeout if idle is None else float(idle),
-                 sleep_after=getattr(args, "sleep_after", None))
+                 idle_timeout=cfg.idle_timeout if idle is None else float(idle),
+                 sleep_after=float(sleep_after))
 
 
 def main(args) -> int:

@@ -167,9 +167,32 @@ def test_serve_flags(monkeypatch, tmp_path):
     s = _stack_from_args(p.parse_args(["run", "x.py", "--state-dir", str(tmp_path)]))
     assert s.supervise and s.idle_timeout == 7.0
     monkeypatch.delenv("OPENRL_IDLE_TIMEOUT")
-    assert _stack_from_args(Namespace(state_dir=tmp_path)).idle_timeout == 300.0
+    assert _stack_from_args(Namespace(state_dir=tmp_path)).idle_timeout == 1800.0
     with pytest.raises(SystemExit):
         p.parse_args(["serve", "--idle-timeout", "-1"])
+
+
+def test_serve_sleeps_idle_workers_by_default(monkeypatch, tmp_path):
+    """openrl serve / run: idle workers sleep after 60 s unless --sleep-after or OPENRL_SLEEP_AFTER
+    says otherwise (0 included); the workers get it as OPENRL_SLEEP_AFTER. A worker started on its
+    own (a Knative revision) keeps Settings' 0."""
+    from openrl.cli import build_parser
+    from openrl.config import Settings
+    from openrl.transport.embedded import SERVE_SLEEP_AFTER, _stack_from_args
+
+    monkeypatch.delenv("OPENRL_SLEEP_AFTER", raising=False)
+    p = build_parser()
+    s = _stack_from_args(p.parse_args(["serve", "--state-dir", str(tmp_path)]))
+    assert s.sleep_after == SERVE_SLEEP_AFTER == 60.0 and s.env()["OPENRL_SLEEP_AFTER"] == "60.0"
+    assert Settings().sleep_after == 0.0
+    assert _stack_from_args(p.parse_args(["serve", "--sleep-after", "0", "--state-dir", str(tmp_path)])).sleep_after == 0
+    monkeypatch.setenv("OPENRL_SLEEP_AFTER", "0")
+    assert _stack_from_args(p.parse_args(["run", "x.py", "--state-dir", str(tmp_path)])).sleep_after == 0
+    monkeypatch.setenv("OPENRL_SLEEP_AFTER", "12")
+    s = _stack_from_args(p.parse_args(["serve", "--state-dir", str(tmp_path)]))
+    assert s.sleep_after == 12 and s.env()["OPENRL_SLEEP_AFTER"] == "12.0"
+    s = _stack_from_args(p.parse_args(["serve", "--sleep-after", "3", "--state-dir", str(tmp_path)]))
+    assert s.sleep_after == 3
 
 
 def test_status_reads_the_state_file_of_its_gateway_only(tmp_path):
