@@ -11,11 +11,12 @@
 #   call D  nothing
 #
 # Usage (project root):  bash bench/stack_payload.sh && bash bench/conform_payload.sh
-# STAGE (default /tmp/stack-stage) as in stack_payload.sh. Also writes .gpu/COMMIT (git HEAD, the commit the
+# STAGE and VLLM_VERSION as in stack_payload.sh. Also writes .gpu/COMMIT (git HEAD, the commit the
 # conformance table names; the GPU machine has no .git). Prints each call's size with the checkout.
 set -euo pipefail
 REPO=$(git rev-parse --show-toplevel); cd "$REPO"
-ST=${STAGE:-/tmp/stack-stage}
+VLLM_VERSION=${VLLM_VERSION:-0.24.0}  # as bench/stack_payload.sh (built there first with the same VLLM_VERSION)
+if [ "$VLLM_VERSION" = 0.24.0 ]; then ST=${STAGE:-/tmp/stack-stage}; else ST=${STAGE:-/tmp/stack-stage-$VLLM_VERSION}; fi
 [ -s "$ST/A.tar.xz" ] && [ -s "$ST/C.so.xz" ] && [ -d .gpu/wheels ] || { echo "run bench/stack_payload.sh first"; exit 1; }
 git rev-parse HEAD > .gpu/COMMIT
 if ! git diff --quiet HEAD -- . ':!.gpu' ':!.whl'; then echo "+uncommitted changes" >> .gpu/COMMIT; fi

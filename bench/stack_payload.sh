@@ -17,12 +17,16 @@
 # bash bench/device_call.sh --list)
 #
 # Usage (project root, after scripts/install.sh):  bash bench/stack_payload.sh
-#   STAGE (default /tmp/stack-stage): downloads and the two vLLM archives, reused by a second run unless
+#   VLLM_VERSION (default 0.24.0, the pin): another vLLM for an A/B (the image's torch 2.11 limits it to
+#   0.24.0-0.26.0: 0.27 and later pin torch 2.13 or 2.14, whose CUDA wheels do not travel); its exact pins of
+#   the deps below win over this script's (e.g. apache-tvm-ffi 0.1.10 for 0.26.0). STAGE (default
+#   /tmp/stack-stage, /tmp/stack-stage-<version> for another version): downloads and the two vLLM archives, reused by a second run unless
 #   REBUILD=1; C2_MIB (default 50): MiB of the _C archive in call 2. SKIP_VLLM=1 builds only .gpu,
 #   SKIP_GPU=1 only the vLLM parts, SKIP_S4=1 skips call 4's wheels. Prints each call's size with the checkout (the limit is 64 MiB).
 set -euo pipefail
 REPO=$(git rev-parse --show-toplevel); cd "$REPO"
-ST=${STAGE:-/tmp/stack-stage}
+VLLM_VERSION=${VLLM_VERSION:-0.24.0}
+if [ "$VLLM_VERSION" = 0.24.0 ]; then ST=${STAGE:-/tmp/stack-stage}; else ST=${STAGE:-/tmp/stack-stage-$VLLM_VERSION}; fi
 PY=.venv/bin/python; PIP=.venv/bin/pip
 [ -x "$PIP" ] || { echo "no .venv: run scripts/install.sh first"; exit 1; }
 grep -qx '/.gpu/' .gitignore || echo '/.gpu/' >> .gitignore
@@ -68,23 +72,36 @@ if [ "${SKIP_GPU:-0}" != 1 ]; then
   xz -9 -T1 .gpu/tok/tokenizer.json
 fi
 
-# ---------------------------------------------------------------- 2. vLLM 0.24.0 in parts
+# ---------------------------------------------------------------- 2. vLLM ($VLLM_VERSION) in parts
 if [ "${SKIP_VLLM:-0}" != 1 ] && { [ "${REBUILD:-0}" = 1 ] || [ ! -s $ST/A.tar.xz ] || [ ! -s $ST/C.so.xz ]; }; then
   W=$ST/whl; mkdir -p $W/dl $W/deps
-  python3 -m pip download -q --no-deps "${PLAT[@]}" -d $W/dl vllm==0.24.0
-  # everything vLLM 0.24.0's offline path imports that the image lacks (versions of ../shared/vllm-h200)
-  python3 -m pip download -q --no-deps "${PLAT[@]}" -d $W/deps \
-    annotated_types==0.8.0 apache_tvm_ffi==0.1.9 blake3==1.0.9 cachetools==7.2.0 cbor2==6.1.2 distro==1.9.0 \
-    fastapi==0.136.3 jiter==0.16.0 llguidance==1.7.6 msgspec==0.21.1 openai==2.54.0 openai_harmony==0.0.8 \
-    partial_json_parser==0.2.1.1.post7 pybase64==1.4.3 pydantic==2.14.4 pydantic_core==2.50.5 pyzmq==27.1.0 \
-    setproctitle==1.3.7 sniffio==1.3.1 starlette==1.7.0 typing_inspection==0.4.4 typing_extensions==4.16.0 \
-    xgrammar==0.2.3
+  python3 -m pip download -q --no-deps "${PLAT[@]}" -d $W/dl "vllm==$VLLM_VERSION"
+  VWHL=$(ls $W/dl/vllm-"$VLLM_VERSION"-*.whl)
+  # everything vLLM's offline path imports that the image lacks (the versions of ../shared/vllm-h200, for
+  # 0.24.0); where the vLLM wheel pins one exactly (Requires-Dist name==v), its pin
+  deps=(annotated_types==0.8.0 apache_tvm_ffi==0.1.9 blake3==1.0.9 cachetools==7.2.0 cbor2==6.1.2 distro==1.9.0
+    fastapi==0.136.3 jiter==0.16.0 llguidance==1.7.6 msgspec==0.21.1 openai==2.54.0 openai_harmony==0.0.8
+    partial_json_parser==0.2.1.1.post7 pybase64==1.4.3 pydantic==2.14.4 pydantic_core==2.50.5 pyzmq==27.1.0
+    setproctitle==1.3.7 sniffio==1.3.1 starlette==1.7.0 typing_inspection==0.4.4 typing_extensions==4.16.0
+    xgrammar==0.2.3)
+  mapfile -t deps < <(unzip -p "$VWHL" '*.dist-info/METADATA' | python3 -c '
+import re, sys
+pins = {}
+for line in sys.stdin:
+    m = re.match(r"Requires-Dist: ([A-Za-z0-9_.-]+)(\[[^]]*\])?==([^ ;]+)(;.*)?$", line.strip())
+    if m and "extra ==" not in (m.group(4) or ""):
+        pins[re.sub(r"[-_.]+", "_", m.group(1).lower())] = m.group(3)
+for d in sys.argv[1:]:
+    n, v = d.split("==")
+    print(f"{n}=={pins.get(n.lower(), v)}")
+' "${deps[@]}")
+  python3 -m pip download -q --no-deps "${PLAT[@]}" -d $W/deps "${deps[@]}"
   rm -rf $ST/site && mkdir -p $ST/site && cd $ST/site
   for f in $W/deps/*.whl; do unzip -q -o "$f"; done          # no wheel here has a .data dir: unzip == install
   rm -f xgrammar/lib/libxgrammar.a                            # static lib, unused at run time
   # what a bf16 dense model on sm_90 never loads: FA2 (Hopper uses FA3), the MoE ops (optional import), the
   # Rust front-end binary, sm100-only fmha, deep_gemm builds for other Pythons
-  unzip -q -o $W/dl/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl \
+  unzip -q -o "$VWHL" \
     -x 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm/_moe_C_stable_libtorch.abi3.so' 'vllm/vllm-rs' \
        'vllm/third_party/deep_gemm/_C.cpython-31[0134]-*' 'vllm/third_party/fmha_sm100/*'
   cd $ST
