@@ -162,13 +162,11 @@ class Serve:
                "--port", str(self.port), "--state-dir", str(self.state)]
         env = {**os.environ, "TINKER_TELEMETRY": "0", "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-        if PROFILE_DIR is not None:  # cProfile the sampler worker (bench/profile_site/sitecustomize.py)
+        if PROFILE_DIR is not None or STACKS is not None:  # the hooks of bench/profile_site/sitecustomize.py
             env["PYTHONPATH"] = str(ROOT / "bench" / "profile_site") + os.pathsep + env["PYTHONPATH"]
+        if PROFILE_DIR is not None:  # cProfile the sampler worker
             env["OPENRL_BENCH_PROFILE"] = str(PROFILE_DIR)
-        if STACKS is not None:  # sampled stacks of every process (bench/profile_site/sitecustomize.py)
-            site = str(ROOT / "bench" / "profile_site")
-            if site not in env["PYTHONPATH"].split(os.pathsep):
-                env["PYTHONPATH"] = site + os.pathsep + env["PYTHONPATH"]
+        if STACKS is not None:  # sampled stacks of every process
             env["OPENRL_BENCH_STACKS"] = str(STACKS[0] / self.tag)
             env["OPENRL_BENCH_STACKS_EVERY"] = str(STACKS[1])
         if self.model_dir is not None:
@@ -1055,7 +1053,7 @@ def main() -> None:
                     help="cProfile the stack's sampler worker (main thread) -> OUT/sampler_profile.txt")
     ap.add_argument("--stacks", type=float, default=0, metavar="EVERY_S",
                     help="sample the Python stacks of every stack process every EVERY_S seconds for its first "
-                         "240 s (faulthandler; bench/stack_samples.py) -> OUT/stacks_<start>.md (0: off)")
+                         "240 s (bench/profile_site/sitecustomize.py, bench/stack_samples.py) -> OUT/stacks_<start>.md (0: off)")
     ap.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--adapters", default="", help=argparse.SUPPRESS)
     ap.add_argument("--direct-rows", default="0",
