@@ -41,6 +41,7 @@ from torch.profiler import record_function
 
 from functions.trainer import losses
 from functions.trainer.mismatch import MismatchStats, sampled_token_mask, sampler_logprobs_of
+from functions.trainer.memory_plan import ActivationBudget
 from functions.trainer.optim import AdamConfig, RunOptimizer, step_many
 from openrl.config import Settings
 from openrl.edge.proto import FwdBwdDatum
@@ -193,6 +194,8 @@ class TrainerEngine:
         self.max_tokens = int(max_tokens)
         self.chunk_tokens = int(chunk_tokens)
         cfg = base.config
+        #: CUDA: the micro-batch token cap from free memory (functions/trainer/memory_plan.py); None on CPU
+        self.budget = ActivationBudget.for_engine(self.device, cfg, self.dtype)
         self.vocab_size = int(self.model.lm_head.out_features)
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
         pad = getattr(cfg, "pad_token_id", None)
@@ -268,13 +271,16 @@ class TrainerEngine:
 
     # ------------------------------------------------------------------ passes
 
-    def _micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
+    def _micro_batches(self, rows: list[_Row], max_tokens: int | None = None) -> list[list[_Row]]:
+        """``rows`` longest first, cut into micro-batches of at most ``max_rows`` rows and
+        ``max_tokens`` padded tokens (default ``self.max_tokens``; a longer row runs alone)."""
+        cap = self.max_tokens if max_tokens is None else max_tokens
         order = sorted(rows, key=lambda r: -r.n)
         batches: list[list[_Row]] = []
         cur: list[_Row] = []
         for r in order:
             longest = cur[0].n if cur else r.n  # rows come longest first
-            if cur and (len(cur) + 1 > self.max_rows or (len(cur) + 1) * longest > self.max_tokens):
+            if cur and (len(cur) + 1 > self.max_rows or (len(cur) + 1) * longest > cap):
                 batches.append(cur)
                 cur = []
             cur.append(r)
@@ -338,9 +344,11 @@ class TrainerEngine:
             for i in valid:
                 results[i].metrics = {"loss:sum": 0.0}
             oom = None
+            failed: list[_Row] = []
             try:
-                for mb in self._micro_batches(all_rows):
-                    self._run_micro_batch(mb, items, configs, results, loss_sums, mismatch)
+                for mb in self._plan(all_rows):
+                    failed = mb
+                    self._run_measured(mb, items, configs, results, loss_sums, mismatch)
                 break
             except Exception as e:  # restore gradients: a failed pass must not half-apply
                 for m, grads in snapshot.items():
@@ -354,7 +362,7 @@ class TrainerEngine:
                 oom = str(e).splitlines()[0][:200]
             # out of the except block: the exception's frames (and the pass's activations) are freed
             torch.cuda.empty_cache()
-            if not self._shrink_micro_batches(all_rows, oom):
+            if not self._shrink_micro_batches(all_rows, failed, oom):
                 del snapshot
                 return self._after_oom(items, results, valid, all_rows, oom)
         for i in valid:
@@ -364,14 +372,38 @@ class TrainerEngine:
                 results[i].mismatch = mismatch[i]
         return results
 
-    def _shrink_micro_batches(self, rows: list[_Row], oom: str) -> bool:
-        """After a CUDA out-of-memory: halve the padded tokens per micro-batch (``max_tokens``, kept
-        for later passes) below the largest micro-batch of ``rows``; False when that batch is
-        already a single row (nothing left to split).
+    def _plan(self, rows: list[_Row]) -> list[list[_Row]]:
+        """The pass's micro-batches: capped by ``max_tokens`` and, on CUDA, by the tokens the
+        memory left now holds (:class:`~functions.trainer.memory_plan.ActivationBudget`)."""
+        if self.budget is None:
+            return self._micro_batches(rows)
+        cap = min(self.max_tokens, self.budget.cap(any(r.grad for r in rows)))
+        return self._micro_batches(rows, cap)
+
+    def _run_measured(self, mb: list[_Row], *args) -> None:
+        """:meth:`_run_micro_batch`, its peak memory per padded token fed to the budget (CUDA)."""
+        if self.budget is None:
+            return self._run_micro_batch(mb, *args)
+        tokens, grad = len(mb) * max(r.n for r in mb), any(r.grad for r in mb)
+        self.budget.start()
+        self._run_micro_batch(mb, *args)
+        self.budget.finish(tokens, grad)
+
+    def _shrink_micro_batches(self, rows: list[_Row], failed: list[_Row], oom: str) -> bool:
+        """After a CUDA out-of-memory in micro-batch ``failed``: plan the next try with at most
+        half its padded tokens (CUDA: the budget's bytes per token go up, so later passes plan
+        from it too; without a budget: ``max_tokens`` is halved below the largest micro-batch of
+        ``rows``, for good); False when that batch is already a single row (nothing left to
+        split).
 
         Activation memory grows with the tokens in one micro-batch (every layer keeps its inputs
-        for backward), so a budget that fits SFT's 8 x 1,024 tokens can overflow an RL pass of
+        for backward), so a cap that fits SFT's 8 x 1,024 tokens can overflow an RL pass of
         8 runs x 16 samples on a GPU the trainer shares with the sampler."""
+        if self.budget is not None and failed:
+            if len(failed) <= 1:
+                return False
+            self.budget.out_of_memory(len(failed) * max(r.n for r in failed), any(r.grad for r in failed))
+            return True
         biggest = max(self._micro_batches(rows), key=lambda mb: len(mb) * mb[0].n)
         if len(biggest) <= 1:
             return False
