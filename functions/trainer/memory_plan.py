@@ -75,6 +75,8 @@ class ActivationBudget:
 
     def __init__(self, device: torch.device, bytes_per_token: tuple[float, float], margin: float = MARGIN,
                  min_measured_tokens: int = MIN_MEASURED_TOKENS):
+        if device.type == "cuda" and device.index is None:  # some torch.cuda calls want the index
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.margin = float(margin)
         self.min_measured_tokens = int(min_measured_tokens)

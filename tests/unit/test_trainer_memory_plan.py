@@ -61,7 +61,7 @@ def test_the_estimate_for_qwen3_4b_shapes_errs_on_the_safe_side():
 def test_cap_follows_the_headroom_and_the_measured_bytes(monkeypatch):
     fake = FakeCuda()
     fake.install(monkeypatch)
-    b = ActivationBudget(torch.device("cuda"), (6e6, 1e6))
+    b = ActivationBudget(torch.device("cuda", 0), (6e6, 1e6))
     headroom = 40 * GB - 16 * GB  # half of 80 GB under the cap, 16 GB held
     assert b.headroom() == headroom
     assert b.cap(True) == int(memory_plan.MARGIN * headroom / 6e6)
@@ -84,7 +84,7 @@ def test_cap_follows_the_headroom_and_the_measured_bytes(monkeypatch):
 
 def test_out_of_memory_halves_the_next_plan(monkeypatch):
     FakeCuda().install(monkeypatch)
-    b = ActivationBudget(torch.device("cuda"), (1e6, 1e6))  # far too optimistic
+    b = ActivationBudget(torch.device("cuda", 0), (1e6, 1e6))  # far too optimistic
     before = b.cap(True)
     b.out_of_memory(before, True)
     assert b.cap(True) <= before // 2
@@ -127,7 +127,7 @@ def runs(engine):
 def _gpu(monkeypatch, engine, fake: FakeCuda, bpt: tuple[float, float]) -> list[int]:
     """Give the CPU engine a budget over ``fake``; returns the padded tokens of each micro-batch run."""
     fake.install(monkeypatch)
-    engine.budget = ActivationBudget(torch.device("cuda"), bpt)
+    engine.budget = ActivationBudget(torch.device("cuda", 0), bpt)
     real = TrainerEngine._run_micro_batch
     seen: list[int] = []
 
