@@ -32,11 +32,16 @@ class FakeCuda:
 
     def install(self, monkeypatch):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (self.total - self.allocated - self.others, self.total))
-        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: self.fraction, raising=False)
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", self.get_fraction, raising=False)
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: self.allocated)
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: self.allocated)
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: self.peak)
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d=None: setattr(self, "peak", self.allocated))
+
+    def get_fraction(self, device) -> float:
+        if torch.device(device).index is None:  # as torch's: "Expected a torch.device with a specified index"
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        return self.fraction
 
     def limit(self) -> int:
         return min(int(self.fraction * self.total), self.total - self.others)
