@@ -189,7 +189,10 @@ class Bench:
         for _ in range(warmup):
             fn()
             self.zero()
-        if self.dev == "cuda":
+        budget = getattr(self.engine, "budget", None)  # it resets torch's peak per micro-batch
+        if budget is not None:
+            budget.reset_peak()
+        elif self.dev == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times = []
         for _ in range(reps):
@@ -201,7 +204,8 @@ class Bench:
             self.zero()
         out = {"s_median": statistics.median(times), "s_min": min(times), "s_all": [round(x, 4) for x in times]}
         if self.dev == "cuda":
-            out["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 1)
+            peak = max(torch.cuda.max_memory_allocated(), budget.peak_allocated if budget is not None else 0)
+            out["peak_mem_gb"] = round(peak / 1e9, 1)
         return out
 
     def mfu(self, tokens: int, seconds: float) -> float | None:
@@ -397,6 +401,11 @@ class Bench:
                 per_row_ms=round(1000 * (fb["s_median"] - fb_long["s_median"]) / (n * rows - n), 2),
                 optim_step_many_s=round(statistics.median(opt), 4), pack_s=round(statistics.median(pack), 4),
                 peak_mem_gb=fb.get("peak_mem_gb"), long_peak_mem_gb=fb_long.get("peak_mem_gb"))
+        budget = getattr(self.engine, "budget", None)
+        if budget is not None:  # the cap the memory budget plans for this pass (the default's)
+            log(what="rl_trainer_budget", train_cap=budget.cap(True), forward_cap=budget.cap(False),
+                mb_per_token=round(budget.bytes_per_token[True] / 1e6, 3), measured=budget.measured[True])
+        self.engine.budget = None  # explicit caps alone: what each costs, whatever the memory left
         for n, caps in ((8, (16384, 8192, 4096, 3056)), (1, (16384,))):  # micro-batch caps
             items = [self.item(r, rows, lengths=[T] * rows) for r in self.runs[:n]]
             for cap in caps:
@@ -405,6 +414,7 @@ class Bench:
                 log(what="rl_trainer_cap", runs=n, max_tokens=cap, s=round(r["s_median"], 4),
                     tokens_per_s=round(n * rows * T / r["s_median"]), peak_mem_gb=r.get("peak_mem_gb"))
         self.engine.max_tokens = cap0
+        self.engine.budget = budget
         for spec in self.args.rl_profile.split(","):  # "runs@cap", e.g. 8@16384
             n, _, cap = spec.partition("@")
             self.engine.max_tokens = int(cap or cap0)

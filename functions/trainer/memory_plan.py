@@ -83,6 +83,10 @@ class ActivationBudget:
         self.bytes_per_token = {True: float(bytes_per_token[0]), False: float(bytes_per_token[1])}
         self.measured = {True: False, False: False}
         self._before = 0
+        #: the allocator's highest ``max_memory_allocated`` (bytes) over the micro-batches since
+        #: :meth:`reset_peak`: :meth:`start` resets torch's own peak per micro-batch, so a caller
+        #: that wants a pass's peak (a benchmark) reads this instead
+        self.peak_allocated = 0
 
     @classmethod
     def for_engine(cls, device: torch.device, config, dtype: torch.dtype) -> "ActivationBudget | None":
@@ -114,12 +118,19 @@ class ActivationBudget:
         """Call after a micro-batch of ``tokens`` padded tokens (its backward done): the bytes per
         token it needed replace the estimate (micro-batches under ``min_measured_tokens`` are
         not counted)."""
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.peak_allocated = max(self.peak_allocated, peak)
         if tokens < self.min_measured_tokens:
             return
-        used = torch.cuda.max_memory_allocated(self.device) - self._before
+        used = peak - self._before
         if used > 0:
             self.bytes_per_token[grad] = used / tokens
             self.measured[grad] = True
+
+    def reset_peak(self) -> None:
+        """Forget :attr:`peak_allocated` (torch's peak is reset with it)."""
+        self.peak_allocated = 0
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def out_of_memory(self, tokens: int, grad: bool) -> None:
         """A micro-batch of ``tokens`` padded tokens ran out of memory: raise the estimate so the

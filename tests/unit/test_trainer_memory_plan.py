@@ -83,6 +83,10 @@ def test_cap_follows_the_headroom_and_the_measured_bytes(monkeypatch):
     b.finish(100, False)  # too few tokens to say anything per token
     assert not b.measured[False] and b.bytes_per_token[False] == 1e6
 
+    assert b.peak_allocated == 16 * GB + 2000 * 4.5e6  # the larger micro-batch's peak, kept past start()
+    b.reset_peak()
+    assert b.peak_allocated == 0
+
     fake.others = 60 * GB  # another process (the sampler) took the device: free memory bounds it
     assert b.headroom() == 80 * GB - 60 * GB - 16 * GB
 
