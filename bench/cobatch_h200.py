@@ -116,6 +116,10 @@ class Bench:
 
         self.args = args
         self.dev = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dev == "cuda" and args.gpu_memory:  # the embedded stack's trainer share (functions/trainer/function.py)
+            torch.cuda.set_per_process_memory_fraction(float(args.gpu_memory), torch.cuda.current_device())
+            log(what="gpu_memory_fraction", value=float(args.gpu_memory),
+                gb=round(float(args.gpu_memory) * torch.cuda.get_device_properties(0).total_memory / 1e9, 1))
         self.T = 64 if args.tiny else 1024
         self.rank = 8 if args.tiny else 32
         self.peak = matmul_peak(self.dev)
@@ -406,7 +410,18 @@ class Bench:
             log(what="rl_trainer_budget", train_cap=budget.cap(True), forward_cap=budget.cap(False),
                 mb_per_token=round(budget.bytes_per_token[True] / 1e6, 3), measured=budget.measured[True])
         self.engine.budget = None  # explicit caps alone: what each costs, whatever the memory left
-        for n, caps in ((8, (16384, 8192, 4096, 3056)), (1, (16384,))):  # micro-batch caps
+        if self.args.gpu_memory and self.dev == "cuda":
+            # under the stack's share: the engine before the budget (one cap for every pass, halved
+            # for good by each out-of-memory) on the same 8-run pass, same job
+            items = [self.item(r, rows, lengths=[T] * rows) for r in self.runs]
+            r = self.timed(lambda: self.step(items), reps=3, warmup=2)
+            log(what="rl_trainer_step_no_budget", runs=8, tokens=8 * rows * T, forward_backward_s=round(r["s_median"], 4),
+                tokens_per_s=round(8 * rows * T / r["s_median"]), max_tokens_after=self.engine.max_tokens,
+                start_max_tokens=cap0, peak_mem_gb=r.get("peak_mem_gb"), s_all=r["s_all"])
+            self.engine.max_tokens = cap0
+            torch.cuda.empty_cache()
+        caps_rows = () if self.args.gpu_memory else ((8, (16384, 8192, 4096, 3056)), (1, (16384,)))
+        for n, caps in caps_rows:  # micro-batch caps (the whole GPU only: under a share the big ones run out)
             items = [self.item(r, rows, lengths=[T] * rows) for r in self.runs[:n]]
             for cap in caps:
                 self.engine.max_tokens = cap
@@ -508,6 +523,10 @@ def main() -> None:
     ap.add_argument("--rl-profile", default="8@4096,1@16384",
                     help="rl section: the passes profiled, RUNS@MAX_TOKENS, comma-separated")
     ap.add_argument("--sections", default="check,cobatch,ablate,full,ragged,optim,big,profile")
+    ap.add_argument("--gpu-memory", type=float, default=float(os.environ.get("OPENRL_TRAINER_GPU_MEMORY") or 0) or None,
+                    help="cap this process at this fraction of the GPU, as `openrl serve`'s trainer is "
+                         "(default $OPENRL_TRAINER_GPU_MEMORY, else the whole GPU); the rl section then adds "
+                         "the same 8-run pass without the memory budget and drops the micro-batch-cap rows")
     args = ap.parse_args()
     OUT = Path(args.out)
     OUT.mkdir(parents=True, exist_ok=True)
