@@ -363,8 +363,9 @@ engine_setup() {  # LOGDIR: a fresh log dir in $L, the stack's wheels (not in a 
 }
 step_engine_rl_probe() {
   local tiny; engine_setup "$WORK/logsE"
+  local budget=$(( $(left) - 20 )); [ -n "${AB_ENV:-}" ] && budget=$(( ($(left) - 40) / 2 ))  # an A/B: half each
   # shellcheck disable=SC2086
-  timeout -k 15 $(( $(left) - 20 )) "$PY" bench/cobatch_h200.py $tiny --sections rl --out "$O" ${RL_ARGS:---reps 3} \
+  timeout -k 15 $budget "$PY" bench/cobatch_h200.py $tiny --sections rl --out "$O" ${RL_ARGS:---reps 3} \
     > "$L/rl.log" 2>&1; el "rl probe rc=$?"
   grep '^{' "$L/rl.log" | cut -c1-1500
   if [ -n "${AB_ENV:-}" ]; then  # AB_ENV="VAR=value ...": the same probe again with it set, same job (out: ab/)
