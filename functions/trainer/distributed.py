@@ -56,8 +56,9 @@ import torch.distributed as dist
 from torch import nn
 
 from functions.trainer import losses
-from functions.trainer.engine import FwdBwdItem, FwdBwdResult, TrainerEngine, _mismatch_inputs, _Row, _row_logprobs
+from functions.trainer.engine import FwdBwdItem, FwdBwdResult, TrainerEngine
 from functions.trainer.mismatch import MismatchStats
+from functions.trainer.rows import Row, plan_micro_batches, row_step
 from openrl.errors import ServerError
 from openrl.model.lora import LoraSpec
 from openrl.model.logprobs import DEFAULT_CHUNK_TOKENS
@@ -264,13 +265,10 @@ class DistributedTrainerEngine(TrainerEngine):
 
     # ------------------------------------------------------------------ passes
 
-    def _global_micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
-        per_rank = self.max_rows, self.max_tokens
-        self.max_rows, self.max_tokens = per_rank[0] * self.world, per_rank[1] * self.world
-        try:
-            return self._micro_batches(rows)
-        finally:
-            self.max_rows, self.max_tokens = per_rank
+    def _global_micro_batches(self, rows: list[Row]) -> list[list[Row]]:
+        """The pass's micro-batches over all ranks: each rank's caps times the world size (a
+        rank then takes every world-th row of each)."""
+        return plan_micro_batches(rows, self.max_rows * self.world, self.max_tokens * self.world)
 
     def _forward_backward(self, items: Sequence[FwdBwdItem]) -> list[FwdBwdResult]:
         results, configs, all_rows = self._prepare_all(items)  # every rank finds the same errors
@@ -343,7 +341,7 @@ class DistributedTrainerEngine(TrainerEngine):
             off += n
         return flat
 
-    def _run_slice(self, mb: list[_Row], needs_grad: bool, items: Sequence[FwdBwdItem],
+    def _run_slice(self, mb: list[Row], needs_grad: bool, items: Sequence[FwdBwdItem],
                    configs: dict[int, dict[str, float]], done: list[tuple]) -> None:
         """Forward (and backward when ``needs_grad``, the same on every rank) of this rank's
         rows of one micro-batch; appends each row's results to ``done``.
@@ -357,18 +355,17 @@ class DistributedTrainerEngine(TrainerEngine):
         with torch.set_grad_enabled(needs_grad):
             total = lp.sum() * 0.0 if needs_grad else None  # every rank runs the backward
             for b, r in enumerate(mb):
-                item = items[r.item]
-                row_lp = _row_logprobs(lp, b, r)
-                loss, outputs, metrics = losses.compute_loss(item.loss_fn, row_lp, r.inputs, configs[r.item])
-                if not torch.isfinite(loss.detach()):
-                    bad = bad or f"non-finite loss for {item.model_id} datum {r.datum}"
+                step = row_step(lp, b, r, items[r.item].loss_fn, configs[r.item])
+                if not torch.isfinite(step.loss.detach()):
+                    bad = bad or f"non-finite loss for {items[r.item].model_id} datum {r.datum}"
                     continue
-                sampled = _mismatch_inputs(r)
-                done.append((r.item, r.datum, {k: v.detach().to("cpu", torch.float32).numpy() for k, v in outputs.items()},
-                             float(loss.detach()), metrics,
-                             None if sampled is None else (row_lp.detach().cpu(), *(t.cpu() for t in sampled))))
+                sampled = step.sampled
+                done.append((r.item, r.datum,
+                             {k: v.detach().to("cpu", torch.float32).numpy() for k, v in step.outputs.items()},
+                             float(step.loss.detach()), step.metrics,
+                             None if sampled is None else (step.logprobs.detach().cpu(), *(t.cpu() for t in sampled))))
                 if r.grad:
-                    total = total + loss
+                    total = total + step.loss
             if needs_grad:
                 total.backward()
         if bad:

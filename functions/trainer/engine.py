@@ -23,12 +23,15 @@ GEMMs (:data:`openrl.model.lora.ops.MULTI_ADAPTER_MODE`), and the vocabulary pro
 gradient in the forward (``openrl.model.logprobs``); nothing is recomputed. CPU numerics are
 unchanged.
 
+The rows of a pass, their micro-batch plan and the per-row loss step live in
+:mod:`functions.trainer.rows` (shared with :mod:`functions.trainer.distributed`); checkpoints,
+state dicts and sampler snapshots in :mod:`functions.trainer.run_state`.
+
 Not thread-safe: call it from one thread (or serialise calls).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -40,29 +43,20 @@ import torch
 from torch.profiler import record_function
 
 from functions.trainer import losses
-from functions.trainer.mismatch import MismatchStats, sampled_token_mask, sampler_logprobs_of
+from functions.trainer.mismatch import MismatchStats
 from functions.trainer.memory_plan import ActivationBudget
 from functions.trainer.optim import AdamConfig, RunOptimizer, step_many
+from functions.trainer.rows import Row, padded_tokens, plan_micro_batches, prepare_item, row_step
+from functions.trainer.run_state import OPTIMIZER_NAME, RUN_NAME, Run, RunStateIO
 from openrl.config import Settings
 from openrl.edge.proto import FwdBwdDatum
 from openrl.errors import NotFound, ServerError, UserError
 from openrl.observe import startup
-from openrl.model.lora import (
-    ADAPTER_CONFIG_NAME,
-    ADAPTER_WEIGHTS_NAME,
-    LoraSpec,
-    MultiLoRAModel,
-    read_peft_adapter,
-    save_peft_adapter,
-)
+from openrl.model.lora import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, LoraSpec, MultiLoRAModel
 from openrl.model.kernels import accelerate_model, kernel_status
 from openrl.model.logprobs import DEFAULT_CHUNK_TOKENS, pad_batch, target_logprobs
 
 log = logging.getLogger(__name__)
-
-OPTIMIZER_NAME = "optimizer.pt"
-RUN_NAME = "run.json"
-_RUN_FORMAT = "openrl.run.v1"
 
 
 #: One training example: the decoded datum the gateway checks and the trainer function hands
@@ -103,31 +97,7 @@ class FwdBwdResult:
     mismatch: MismatchStats | None = None
 
 
-@dataclass
-class _Run:
-    spec: LoraSpec
-    optimizer: RunOptimizer
-
-
-@dataclass
-class _Row:
-    item: int
-    datum: int
-    tokens: torch.Tensor  # int64 [T]
-    inputs: dict[str, torch.Tensor]
-    grad: bool
-
-    @property
-    def n(self) -> int:
-        return int(self.tokens.shape[0])
-
-    @property
-    def k(self) -> int:
-        tt = self.inputs["target_tokens"]
-        return 1 if tt.dim() == 1 else int(tt.shape[1])
-
-
-class TrainerEngine:
+class TrainerEngine(RunStateIO):
     """Training runs on one base model.
 
     Args:
@@ -200,7 +170,7 @@ class TrainerEngine:
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
         pad = getattr(cfg, "pad_token_id", None)
         self.pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
-        self.runs: dict[str, _Run] = {}
+        self.runs: dict[str, Run] = {}
 
     @property
     def kernels(self) -> dict[str, str]:
@@ -223,7 +193,7 @@ class TrainerEngine:
         if model_id in self.runs:
             raise ValueError(f"run {model_id!r} already exists")
         self.model.add_adapter(model_id, spec)
-        self.runs[model_id] = _Run(self.model.adapter_spec(model_id), self._new_optimizer(model_id))
+        self.runs[model_id] = Run(self.model.adapter_spec(model_id), self._new_optimizer(model_id))
 
     def has_run(self, model_id: str) -> bool:
         return model_id in self.runs
@@ -237,7 +207,7 @@ class TrainerEngine:
         if self.runs.pop(model_id, None) is not None:
             self.model.remove_adapter(model_id)
 
-    def _run(self, model_id: str) -> _Run:
+    def _run(self, model_id: str) -> Run:
         run = self.runs.get(model_id)
         if run is None:
             raise NotFound("model_id", f"no training run {model_id!r} on this trainer")
@@ -248,45 +218,24 @@ class TrainerEngine:
 
     # ------------------------------------------------------------ validation
 
-    def _prepare(self, idx: int, item: FwdBwdItem) -> tuple[list[_Row], dict[str, float]]:
+    def _prepare(self, idx: int, item: FwdBwdItem) -> tuple[list[Row], dict[str, float]]:
+        """Item ``idx``'s rows (:func:`functions.trainer.rows.prepare_item`) and resolved loss config.
+
+        Raises:
+            NotFound: unknown run. UserError: an invalid datum or loss config (names the field).
+        """
         self._run(item.model_id)
         config = losses.resolve_config(item.loss_fn, item.loss_fn_config)
-        rows = []
-        for j, d in enumerate(item.datums):
-            toks = np.asarray(d.tokens)
-            fld = f"data[{j}].model_input"
-            if toks.ndim != 1 or toks.size == 0:
-                raise UserError(fld, "must hold at least one token")
-            if toks.dtype.kind not in "iu":
-                raise UserError(fld, "tokens must be integers")
-            if toks.min() < 0 or toks.max() >= self.vocab_size:
-                raise UserError(fld, f"token ids must lie in [0, {self.vocab_size})")
-            if self.max_positions is not None and toks.size > self.max_positions:
-                raise UserError(fld, f"length {toks.size} exceeds the model's context of {self.max_positions} tokens")
-            inputs = losses.prepare_inputs(
-                item.loss_fn, d.loss_fn_inputs, int(toks.size), j, vocab_size=self.vocab_size, device=self.device
-            )
-            rows.append(_Row(idx, j, torch.from_numpy(toks.astype(np.int64)), inputs, not item.forward_only))
+        rows = prepare_item(idx, item.datums, item.loss_fn, item.forward_only, vocab_size=self.vocab_size,
+                            max_positions=self.max_positions, device=self.device)
         return rows, config
 
     # ------------------------------------------------------------------ passes
 
-    def _micro_batches(self, rows: list[_Row], max_tokens: int | None = None) -> list[list[_Row]]:
-        """``rows`` longest first, cut into micro-batches of at most ``max_rows`` rows and
-        ``max_tokens`` padded tokens (default ``self.max_tokens``; a longer row runs alone)."""
-        cap = self.max_tokens if max_tokens is None else max_tokens
-        order = sorted(rows, key=lambda r: -r.n)
-        batches: list[list[_Row]] = []
-        cur: list[_Row] = []
-        for r in order:
-            longest = cur[0].n if cur else r.n  # rows come longest first
-            if cur and (len(cur) + 1 > self.max_rows or (len(cur) + 1) * longest > cap):
-                batches.append(cur)
-                cur = []
-            cur.append(r)
-        if cur:
-            batches.append(cur)
-        return batches
+    def _micro_batches(self, rows: list[Row], max_tokens: int | None = None) -> list[list[Row]]:
+        """:func:`functions.trainer.rows.plan_micro_batches` with this engine's ``max_rows`` and
+        ``max_tokens`` (or the given token cap)."""
+        return plan_micro_batches(rows, self.max_rows, self.max_tokens if max_tokens is None else max_tokens)
 
     def forward_backward(self, items: Sequence[FwdBwdItem]) -> list[FwdBwdResult]:
         """Run forward (and, unless ``forward_only``, backward) for all items in one packed pass.
@@ -306,14 +255,14 @@ class TrainerEngine:
 
     def _prepare_all(
         self, items: Sequence[FwdBwdItem]
-    ) -> tuple[list[FwdBwdResult], dict[int, dict[str, float]], list[_Row]]:
+    ) -> tuple[list[FwdBwdResult], dict[int, dict[str, float]], list[Row]]:
         """Validate every item: ``(results, configs, rows)``, where ``results[i].error`` holds item
         i's :class:`UserError` (the others are empty), ``configs[i]`` its resolved loss config and
         ``rows`` the datums of the valid items, in order (deterministic, so every rank of the
         distributed engine finds the same errors)."""
         results = [FwdBwdResult() for _ in items]
         configs: dict[int, dict[str, float]] = {}
-        all_rows: list[_Row] = []
+        all_rows: list[Row] = []
         for i, item in enumerate(items):
             try:
                 rows, configs[i] = self._prepare(i, item)
@@ -344,7 +293,7 @@ class TrainerEngine:
             for i in valid:
                 results[i].metrics = {"loss:sum": 0.0}
             oom = None
-            failed: list[_Row] = []
+            failed: list[Row] = []
             try:
                 for mb in self._plan(all_rows):
                     failed = mb
@@ -372,7 +321,7 @@ class TrainerEngine:
                 results[i].mismatch = mismatch[i]
         return results
 
-    def _plan(self, rows: list[_Row]) -> list[list[_Row]]:
+    def _plan(self, rows: list[Row]) -> list[list[Row]]:
         """The pass's micro-batches: capped by ``max_tokens`` and, on CUDA, by the tokens the
         memory left now holds (:class:`~functions.trainer.memory_plan.ActivationBudget`)."""
         if self.budget is None:
@@ -380,16 +329,16 @@ class TrainerEngine:
         cap = min(self.max_tokens, self.budget.cap(any(r.grad for r in rows)))
         return self._micro_batches(rows, cap)
 
-    def _run_measured(self, mb: list[_Row], *args) -> None:
+    def _run_measured(self, mb: list[Row], *args) -> None:
         """:meth:`_run_micro_batch`, its peak memory per padded token fed to the budget (CUDA)."""
         if self.budget is None:
             return self._run_micro_batch(mb, *args)
-        tokens, grad = len(mb) * max(r.n for r in mb), any(r.grad for r in mb)
+        tokens, grad = padded_tokens(mb), any(r.grad for r in mb)
         self.budget.start()
         self._run_micro_batch(mb, *args)
         self.budget.finish(tokens, grad)
 
-    def _shrink_micro_batches(self, rows: list[_Row], failed: list[_Row], oom: str) -> bool:
+    def _shrink_micro_batches(self, rows: list[Row], failed: list[Row], oom: str) -> bool:
         """After a CUDA out-of-memory in micro-batch ``failed``: plan the next try with at most
         half its padded tokens (CUDA: the budget's bytes per token go up, so later passes plan
         from it too; without a budget: ``max_tokens`` is halved below the largest micro-batch of
@@ -402,7 +351,7 @@ class TrainerEngine:
         if self.budget is not None and failed:
             if len(failed) <= 1:
                 return False
-            self.budget.out_of_memory(len(failed) * max(r.n for r in failed), any(r.grad for r in failed))
+            self.budget.out_of_memory(padded_tokens(failed), any(r.grad for r in failed))
             return True
         biggest = max(self._micro_batches(rows), key=lambda mb: len(mb) * mb[0].n)
         if len(biggest) <= 1:
@@ -432,8 +381,8 @@ class TrainerEngine:
             results[i] = FwdBwdResult(error=err)
         return results
 
-    def _micro_batch_logprobs(self, mb: list[_Row], items: Sequence[FwdBwdItem],
-                              needs_grad: bool) -> tuple[list[_Row], torch.Tensor]:
+    def _micro_batch_logprobs(self, mb: list[Row], items: Sequence[FwdBwdItem],
+                              needs_grad: bool) -> tuple[list[Row], torch.Tensor]:
         """Target logprobs of one micro-batch: ``(rows, lp)``, the rows reordered so each run's
         rows sit next to each other (the LoRA layers then work on slices) and ``lp`` float32
         ``[B, T, K]`` in that order (K: the widest row's targets per position). With
@@ -447,7 +396,7 @@ class TrainerEngine:
                                  no_grad_adapters=no_grad_adapters, chunk_tokens=self.chunk_tokens)
         return mb, lp
 
-    def _pad_micro_batch(self, mb: list[_Row], items: Sequence[FwdBwdItem]):
+    def _pad_micro_batch(self, mb: list[Row], items: Sequence[FwdBwdItem]):
         """``(rows, ids [B, T] int64, mask [B, T], targets [B, T, K] int64, row adapters, no-grad
         adapters)`` of one micro-batch, its rows grouped by run (see :meth:`_micro_batch_logprobs`)."""
         first_seen: dict[str, int] = {}
@@ -474,7 +423,7 @@ class TrainerEngine:
 
     def _run_micro_batch(
         self,
-        mb: list[_Row],
+        mb: list[Row],
         items: Sequence[FwdBwdItem],
         configs: Mapping[int, dict[str, float]],
         results: list[FwdBwdResult],
@@ -488,24 +437,21 @@ class TrainerEngine:
         row_outputs: list[dict[str, torch.Tensor]] = []
         with torch.set_grad_enabled(needs_grad), record_function("openrl.trainer.loss_rows"):
             for b, r in enumerate(mb):
-                item = items[r.item]
-                row_lp = _row_logprobs(lp, b, r)
-                loss, outputs, loss_metrics = losses.compute_loss(item.loss_fn, row_lp, r.inputs, configs[r.item])
-                losses.merge_metrics(results[r.item].metrics, loss_metrics)
-                row_losses.append(loss.detach())
-                row_outputs.append(outputs)
-                sampled = _mismatch_inputs(r)
-                if sampled is not None:
-                    mismatch[r.item].add(row_lp, *sampled)
+                step = row_step(lp, b, r, items[r.item].loss_fn, configs[r.item])
+                losses.merge_metrics(results[r.item].metrics, step.metrics)
+                row_losses.append(step.loss.detach())
+                row_outputs.append(step.outputs)
+                if step.sampled is not None:
+                    mismatch[r.item].add(step.logprobs, *step.sampled)
                 if r.grad:
-                    total = loss if total is None else total + loss
+                    total = step.loss if total is None else total + step.loss
             self._read_rows(mb, items, row_losses, row_outputs, results, loss_sums)
         if total is not None and total.requires_grad:
             with record_function("openrl.trainer.backward"):
                 total.backward()
 
     @staticmethod
-    def _read_rows(mb: list[_Row], items: Sequence[FwdBwdItem], row_losses: list[torch.Tensor],
+    def _read_rows(mb: list[Row], items: Sequence[FwdBwdItem], row_losses: list[torch.Tensor],
                    row_outputs: list[dict[str, torch.Tensor]], results: list[FwdBwdResult],
                    loss_sums: dict[int, float]) -> None:
         """The micro-batch's per-datum losses (0-dim) and ``loss_fn_outputs`` (e.g. logprobs
@@ -580,211 +526,6 @@ class TrainerEngine:
 
     def zero_grad(self, model_id: str) -> None:
         self._run(model_id).optimizer.zero_grad()
-
-    # ------------------------------------------------------------------ state
-
-    def state_dict(self, model_id: str, with_optimizer: bool = True) -> dict:
-        """``{"format", "spec", "peft_config", "adapter": {peft key: CPU tensor},
-        "optimizer": RunOptimizer state or None}`` (torch.save-able)."""
-        run = self._run(model_id)
-        return {
-            "format": _RUN_FORMAT,
-            "spec": run.spec.to_dict(),
-            "peft_config": self.model.peft_config(model_id),
-            "adapter": self.model.peft_state_dict(model_id),
-            "optimizer": run.optimizer.state_dict() if with_optimizer else None,
-        }
-
-    def load_state_dict(self, model_id: str, state: Mapping, with_optimizer: bool) -> None:
-        """Create or replace run ``model_id`` from :meth:`state_dict` output.
-
-        The run takes the state's adapter (and spec); its gradients are cleared; its optimizer
-        state is the saved one when ``with_optimizer`` else fresh. On any error the run is
-        left exactly as it was.
-
-        Raises:
-            UserError("checkpoint", ...): incompatible or incomplete state (e.g. no optimizer
-                state while ``with_optimizer``).
-        """
-        spec = LoraSpec.from_dict(state["spec"]) if state.get("spec") else None
-        self._install(model_id, state["adapter"], state["peft_config"], spec, state.get("optimizer"), with_optimizer)
-
-    def _install(
-        self,
-        model_id: str,
-        adapter: Mapping[str, torch.Tensor],
-        peft_config: Mapping,
-        spec: LoraSpec | None,
-        opt_state: Mapping | None,
-        with_optimizer: bool,
-    ) -> None:
-        if with_optimizer and opt_state is None:
-            raise UserError("checkpoint", "has no optimizer state (saved without optimizer)")
-        tmp = f"{model_id}\x00staging"
-        self.model.remove_adapter(tmp)
-        try:
-            self.model.load_peft_state_dict(tmp, adapter, peft_config, seed=None if spec is None else spec.seed)
-            opt = self._new_optimizer(tmp)
-            if with_optimizer:
-                opt.load_state_dict(opt_state)
-        except BaseException:
-            self.model.remove_adapter(tmp)
-            raise
-        self.model.remove_adapter(model_id)
-        self.model.rename_adapter(tmp, model_id)
-        self.runs[model_id] = _Run(self.model.adapter_spec(model_id), opt)
-
-    def save_state(self, model_id: str, directory: Path, with_optimizer: bool = True) -> None:
-        """Write the run to ``directory``: ``adapter_model.safetensors`` + ``adapter_config.json``
-        (PEFT), ``optimizer.pt`` (if ``with_optimizer``), ``run.json`` (spec, step count)."""
-        run = self._run(model_id)
-        directory = Path(directory)
-        save_peft_adapter(self.model, model_id, directory)
-        if with_optimizer:
-            torch.save(run.optimizer.state_dict(), directory / OPTIMIZER_NAME)
-        meta = {
-            "format": _RUN_FORMAT,
-            "spec": run.spec.to_dict(),
-            "base_model_dir": str(self.base_model_dir),
-            "optimizer_steps": run.optimizer.steps,
-            "has_optimizer": bool(with_optimizer),
-        }
-        (directory / RUN_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True))
-
-    def load_state(
-        self, model_id: str, directory: Path, with_optimizer: bool, spec: LoraSpec | None = None
-    ) -> None:
-        """Create or replace run ``model_id`` from a :meth:`save_state` directory (or a bare
-        PEFT adapter directory when ``with_optimizer`` is False).
-
-        Args:
-            spec: the spec the caller expects (e.g. the run's create_model LoRA config); if
-                given, the checkpoint's rank, alpha and targets must match it.
-
-        Raises:
-            UserError("checkpoint", ...): missing files, incompatible adapter, spec mismatch,
-                or no optimizer state while ``with_optimizer``.
-        """
-        directory = Path(directory)
-        adapter, peft_config = read_peft_adapter(directory)
-        saved_spec = None
-        if (directory / RUN_NAME).is_file():
-            try:
-                saved_spec = LoraSpec.from_dict(json.loads((directory / RUN_NAME).read_text())["spec"])
-            except Exception as e:
-                raise UserError("checkpoint", f"unreadable {RUN_NAME}: {e}") from None
-        opt_state = None
-        if with_optimizer:
-            path = directory / OPTIMIZER_NAME
-            if not path.is_file():
-                raise UserError("checkpoint", "has no optimizer state (saved without optimizer)")
-            try:
-                opt_state = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as e:
-                raise UserError("checkpoint", f"unreadable {OPTIMIZER_NAME}: {e}") from None
-        if spec is not None:
-            ck_rank = int(peft_config.get("r", -1))
-            ck_alpha = float(peft_config.get("lora_alpha", -1))
-            targets = {str(t).rsplit(".", 1)[-1] for t in (peft_config.get("target_modules") or [])}
-            if ck_rank != spec.rank or ck_alpha != spec.resolved_alpha or targets != set(spec.targets()):
-                raise UserError(
-                    "checkpoint",
-                    f"LoRA config (rank {ck_rank}, alpha {ck_alpha}, targets {sorted(targets)}) does not match "
-                    f"the run's (rank {spec.rank}, alpha {spec.resolved_alpha}, targets {sorted(spec.targets())})",
-                )
-        seed_spec = saved_spec or spec
-        self._install(model_id, adapter, peft_config, seed_spec, opt_state, with_optimizer)
-
-    def export_sampler_weights(self, model_id: str, directory: Path) -> None:
-        """Write only the PEFT adapter (``adapter_model.safetensors`` + ``adapter_config.json``)."""
-        self._run(model_id)
-        save_peft_adapter(self.model, model_id, Path(directory))
-
-    def pack_sampler_snapshot(self, model_id: str):
-        """The run's adapter packed for a sampler snapshot: ``(PackedAdapter, adapter_config)``,
-        float32 in one private device buffer (:func:`openrl.model.lora.packed.pack_adapter`);
-        the caller holds the engine lock, and writes it after releasing it with
-        :meth:`write_packed_snapshot`.
-
-        Raises:
-            NotFound: unknown run.
-        """
-        from openrl.model.lora.packed import pack_adapter
-
-        self._run(model_id)
-        return pack_adapter(self.model.named_adapter_parameters(model_id), torch.float32), \
-            self.model.peft_config(model_id)
-
-    @staticmethod
-    def write_packed_snapshot(snapshot, directory: Path, *, staged: bool = True) -> int:
-        """Write a :meth:`pack_sampler_snapshot` into ``directory`` as ``adapter_model.safetensors``
-        + ``adapter_config.json`` (:func:`openrl.model.lora.packed.write_packed`; no lock needed).
-        Returns the bytes written.
-
-        Raises:
-            OSError: the directory cannot be written.
-        """
-        from openrl.model.lora.packed import write_packed
-
-        packed, config = snapshot
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        n = write_packed(packed, directory / ADAPTER_WEIGHTS_NAME, staged=staged)
-        cfg = json.dumps(config, indent=2, sort_keys=True)
-        (directory / ADAPTER_CONFIG_NAME).write_text(cfg)
-        return n + len(cfg)
-
-    def adapter_nbytes(self, model_id: str) -> int:
-        """Bytes of the run's adapter as float32 (what a sampler snapshot's weights file holds).
-
-        Raises:
-            NotFound: unknown run.
-        """
-        self._run(model_id)
-        return sum(p.numel() * 4 for _, p in self.model.named_adapter_parameters(model_id))
-
-    def sampler_snapshot(self, model_id: str) -> tuple[dict[str, torch.Tensor], dict]:
-        """The run's adapter as PEFT tensors (float32 CPU copies) and its ``adapter_config.json``
-        content: what :meth:`export_sampler_weights` writes, taken in one device-to-host copy so
-        the caller can write it while the engine goes on training.
-
-        Raises:
-            NotFound: unknown run.
-        """
-        self._run(model_id)
-        return self.model.peft_state_dict(model_id), self.model.peft_config(model_id)
-
-    @staticmethod
-    def write_sampler_snapshot(snapshot: tuple[dict[str, torch.Tensor], dict], directory: Path) -> None:
-        """Write a :meth:`sampler_snapshot` as ``adapter_model.safetensors`` + ``adapter_config.json``."""
-        from safetensors.torch import save_file
-
-        tensors, config = snapshot
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(directory / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
-        (directory / ADAPTER_CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
-
-
-def _row_logprobs(lp: torch.Tensor, b: int, r: _Row) -> torch.Tensor:
-    """Row ``b`` of a micro-batch's ``lp`` [B, T, K] cut to datum ``r``: [n] for 1-D targets, else
-    [n, k]; detached when ``r`` does not train."""
-    row_lp = lp[b, : r.n, 0] if r.inputs["target_tokens"].dim() == 1 else lp[b, : r.n, : r.k]
-    return row_lp if r.grad else row_lp.detach()
-
-
-def _mismatch_inputs(r: _Row) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(sampler logprobs [T], bool mask [T])`` of a row whose datum carries the sampler's
-    logprobs of 1-D targets (:mod:`functions.trainer.mismatch`), else None. A loss whose sampled
-    tokens and logprobs come from elsewhere hooks in here: stable_reinforce's recorded logprobs
-    count on the tokens its provenance spans name as sampled."""
-    recorded = r.inputs.get(losses.RECORDED_LOGPROBS)
-    if recorded is not None:
-        return recorded, r.inputs[losses.SAMPLED_MASK] != 0
-    q = sampler_logprobs_of(r.inputs)
-    if q is None or r.inputs["target_tokens"].dim() != 1:
-        return None
-    return q, sampled_token_mask(r.inputs, q)
 
 
 __all__ = [
