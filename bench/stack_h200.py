@@ -78,7 +78,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import stack_shapes as shapes  # noqa: E402
-from openrl.transport.embedded import PortHold  # noqa: E402  (a port nothing else takes: see its doc)
+from openrl.transport.local_servers import PortHold  # noqa: E402  (a port nothing else takes: see its doc)
 
 BASE = "Qwen/Qwen3-4B-Instruct-2507"
 LO, HI = 1000, 150000  # token ids away from the special tokens (Qwen vocabulary: 151,936)

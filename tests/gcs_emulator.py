@@ -1,6 +1,6 @@
 """A GCS emulator for tests: fake-gcs-server as a subprocess on a free 127.0.0.1 port.
 
-The port is held (:class:`openrl.transport.embedded.PortHold`) from before the server starts
+The port is held (:class:`openrl.transport.local_servers.PortHold`) from before the server starts
 until it stopped: the server binds the held port (Go's listener sets ``SO_REUSEADDR``), and
 nothing else can take it in between. (``-port 0`` would bind any port too, but the server must
 be told its own URL up front: ``-external-url`` / ``-public-host``, the Location of resumable
@@ -37,7 +37,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from openrl.transport.embedded import PortHold
+from openrl.transport.local_servers import PortHold
 
 
 def emulator_binary() -> Path:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from openrl.transport.embedded import PortHold, start_nats
+from openrl.transport.local_servers import PortHold, start_nats
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from functions.gateway.context import Gateway, GatewaySettings
 from openrl.transport.bus import SAMPLE_STREAM, Bus, sample_subject
-from openrl.transport.embedded import PortHold, start_nats
+from openrl.transport.local_servers import PortHold, start_nats
 
 LIMIT = 3
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from openrl.transport.bus import FUTURES_BUCKET, META_BUCKET, Bus
-from openrl.transport.embedded import PortHold, start_nats
+from openrl.transport.local_servers import PortHold, start_nats
 
 
 async def test_kv_keys_lists_every_live_key_even_under_concurrent_writes(tmp_path):

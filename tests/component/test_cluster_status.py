@@ -33,7 +33,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from openrl.cli import main as cli_main  # noqa: E402
 from openrl.contract.topology import SAMPLE_STREAM, TRAIN_STREAM, sample_subject, train_subject  # noqa: E402
 from openrl.transport.bus import Bus  # noqa: E402
-from openrl.transport.embedded import PortHold, start_nats  # noqa: E402
+from openrl.transport.local_servers import PortHold, start_nats  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_DIRS = [ROOT / "tests" / "data" / "schemas", ROOT.parent / "shared" / "schemas"]  # vendored first (CI: no ../shared)

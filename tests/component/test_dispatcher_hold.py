@@ -19,7 +19,7 @@ from nats_helpers import nats_url  # noqa: F401  (fixture)
 from openrl.contract import events, topology
 from openrl.transport.bindings.dispatcher import Dispatcher
 from openrl.transport.bus import Bus
-from openrl.transport.embedded import PortHold
+from openrl.transport.local_servers import PortHold
 
 
 class Sink:

@@ -16,7 +16,7 @@ from functions.trainer.losses import RECORDED_LOGPROBS, SAMPLED_MASK
 from openrl.contract.stability import TTL_S, SequenceRecord, sequence_ids
 from openrl.edge.proto import FwdBwdDatum, FwdBwdRequest, Span
 from openrl.errors import UserError
-from openrl.transport.embedded import PortHold, start_nats
+from openrl.transport.local_servers import PortHold, start_nats
 from openrl.transport.stability import StabilityStore
 
 SESSION = "sess-a"

@@ -39,7 +39,7 @@ import pytest
 from conftest import BASE_MODEL, _make_stack
 from test_trainer_resume import _assert_same  # logprobs and weights equal at 1e-6, and it trained
 from openrl.edge import proto
-from openrl.transport.embedded import wait_port
+from openrl.transport.local_servers import wait_port
 from openrl.storage import RUNSTATE_DIR, TinkerPath
 
 tinker = pytest.importorskip("tinker")
@@ -379,7 +379,7 @@ async def test_gateway_retry_republishes_a_request_whose_publish_failed(tmp_path
     adds no second message (same Nats-Msg-Id)."""
     from functions.gateway.context import Gateway
     from openrl.transport.bus import SAMPLE_STREAM, Bus, FutureRecord
-    from openrl.transport.embedded import PortHold, start_nats
+    from openrl.transport.local_servers import PortHold, start_nats
 
     port_hold = PortHold()  # a free port, held until the server is gone
     port = port_hold.port
@@ -432,7 +432,7 @@ async def test_a_request_no_worker_finishes_fails_its_future(tmp_path):
     from openrl.contract import events
     from openrl.transport.bindings.jetstream import JetStreamWorker
     from openrl.transport.bus import SAMPLE_STREAM, TRAIN_STREAM, Bus, FutureRecord, sample_subject, train_subject
-    from openrl.transport.embedded import PortHold, start_nats
+    from openrl.transport.local_servers import PortHold, start_nats
     from openrl.transport.worker import consumer_for
 
     port_hold = PortHold()  # a free port, held until the server is gone

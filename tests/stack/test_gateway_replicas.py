@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE_MODEL, _make_stack
-from openrl.transport.embedded import PortHold
+from openrl.transport.local_servers import PortHold
 from proxy_rr import RoundRobinProxy
 from test_faults import LOST_S, _lps, _new_run, _run_id, _service, _step, _submit_step, _wait_future, _weights
 from test_trainer_resume import _assert_same

@@ -31,7 +31,7 @@ import psutil
 import pytest
 
 from openrl.transport import pidfile
-from openrl.transport.embedded import PortHold
+from openrl.transport.local_servers import PortHold
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 

@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from openrl.transport import portsfile
-from openrl.transport.embedded import PortHold
+from openrl.transport.local_servers import PortHold
 
 
 def test_a_held_port_is_taken_by_no_one_but_the_server_it_is_held_for():
