@@ -24,9 +24,9 @@ Sections (``--sections``, default all):
   rl        the stack's RL step on the trainer (N = 1, 8 runs x 16 datums x 191 tokens): forward_backward,
             optim_step_many, snapshot packing, per-row cost, micro-batch caps, profiles (--rl-profile; profile_rl_RUNS_CAP.txt)
 
-Configurations: "optimised" = grouped-GEMM multi-LoRA (``openrl.model.lora.ops.MULTI_ADAPTER_MODE =
-"auto"``), fused logprob head (``openrl.model.logprobs.FUSED_LOGPROB``), compiled pointwise
-kernels (``openrl.model.kernels.accelerate_model``); "before" = stacked row-masked LoRA, the
+Configurations: "optimised" = grouped-GEMM multi-LoRA (the model's ``LoraKernelSettings(mode=
+"auto")``), fused logprob head (``TrainerEngine.fused_head``), compiled pointwise kernels
+(``openrl.model.kernels.accelerate_model``, ``set_fused_kernels``); "before" = stacked row-masked LoRA, the
 checkpointed two-pass logprob head, eager pointwise code (the engine as it was measured
 before this work: 8 runs 622 ms, one adapter 550 ms per 8192 tokens).
 
@@ -143,23 +143,21 @@ class Bench:
                     if "lora_B" in name:
                         p.copy_(torch.randn(p.shape, generator=g) * 0.01)
         self.rng = np.random.RandomState(0)
-        from openrl.model import kernels, logprobs
-        from openrl.model.lora import ops
+        from openrl.model import kernels
 
-        self.ops, self.logprobs, self.kernels = ops, logprobs, kernels
-        self.fast = {k: v.fast for k, v in kernels._KERNELS.items()}
+        self.kernels = kernels
 
     # -------------------------------------------------------------- configurations
 
     def config(self, name: str) -> None:
         """'optimised' | 'before' | 'no_grouped' | 'no_fused_head' | 'no_compile'."""
+        from openrl.model.lora import LoraKernelSettings
+
         grouped = name not in ("before", "no_grouped")
-        self.ops.MULTI_ADAPTER_MODE = "auto" if grouped else "stacked"
-        self.logprobs.FUSED_LOGPROB = name not in ("before", "no_fused_head")
+        self.engine.model.kernel_settings = LoraKernelSettings(mode="auto" if grouped else "stacked")
+        self.engine.fused_head = name not in ("before", "no_fused_head")
         self.engine.chunk_tokens = 2048 if name == "before" else self.args.chunk_tokens  # 2048: the old default
-        compiled = name not in ("before", "no_compile")
-        for k, kern in self.kernels._KERNELS.items():
-            kern.fast = self.fast[k] if compiled else None
+        self.kernels.set_fused_kernels(name not in ("before", "no_compile"))
 
     # -------------------------------------------------------------- data
 

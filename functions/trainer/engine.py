@@ -19,9 +19,9 @@ Ordering is the caller's job: pass items that may run together (for one run: req
 On CUDA the engine routes the decoder's pointwise chains (RMSNorm, SiLU * up, rotary)
 through Liger Kernel's fused, checked Triton kernels (:func:`openrl.model.kernels.accelerate_model`;
 ``OPENRL_FUSED_KERNELS=0`` keeps eager code), LoRA deltas of several runs go through grouped
-GEMMs (:data:`openrl.model.lora.ops.MULTI_ADAPTER_MODE`), and the vocabulary projection computes its
-gradient in the forward (``openrl.model.logprobs``); nothing is recomputed. CPU numerics are
-unchanged.
+GEMMs (the model's :class:`openrl.model.lora.LoraKernelSettings`), and the vocabulary projection
+computes its gradient in the forward (``openrl.model.logprobs``, :attr:`TrainerEngine.fused_head`);
+nothing is recomputed. CPU numerics are unchanged.
 
 The rows of a pass, their micro-batch plan and the per-row loss step live in
 :mod:`functions.trainer.rows` (shared with :mod:`functions.trainer.distributed`); checkpoints,
@@ -163,6 +163,9 @@ class TrainerEngine(RunStateIO):
         self.max_rows = int(max_rows)
         self.max_tokens = int(max_tokens)
         self.chunk_tokens = int(chunk_tokens)
+        #: the vocabulary projection's fused logprob path where it applies (False: checkpointed;
+        #: ``openrl.model.logprobs.target_logprobs``'s ``fused_head``)
+        self.fused_head = True
         cfg = base.config
         #: CUDA: the micro-batch token cap from free memory (functions/trainer/memory_plan.py); None on CPU
         self.budget = ActivationBudget.for_engine(self.device, cfg, self.dtype)
@@ -393,7 +396,8 @@ class TrainerEngine(RunStateIO):
             mb, ids, mask, tgt, row_adapters, no_grad_adapters = self._pad_micro_batch(mb, items)
         with torch.set_grad_enabled(needs_grad), record_function("openrl.trainer.forward"):
             lp = target_logprobs(self.model, ids, tgt, mask, row_adapters,
-                                 no_grad_adapters=no_grad_adapters, chunk_tokens=self.chunk_tokens)
+                                 no_grad_adapters=no_grad_adapters, chunk_tokens=self.chunk_tokens,
+                                 fused_head=self.fused_head)
         return mb, lp
 
     def _pad_micro_batch(self, mb: list[Row], items: Sequence[FwdBwdItem]):

@@ -117,9 +117,10 @@ class _Kernel:
         self.grad_args = grad_args  # arguments that carry gradients in the model (weights are frozen)
         self.status = "eager"
         self.fallbacks = 0  # calls answered by the reference after the kernel raised
+        self.enabled = True  # False: the reference even where the kernel passed its check (set_fused_kernels)
 
     def __call__(self, *args):
-        fast = self.fast
+        fast = self.fast if self.enabled else None
         if fast is not None:
             try:
                 return fast(*args)
@@ -184,6 +185,15 @@ def _check(kernel: _Kernel, cases: list[tuple], device: torch.device) -> None:
     except Exception as e:  # keep eager
         kernel.status = f"failed: {type(e).__name__}: {str(e)[:300]}"
         log.warning("fused kernel %s unusable, staying eager: %s", kernel.name, kernel.status)
+
+
+def set_fused_kernels(enabled: bool) -> None:
+    """Run the checked Liger kernels (True, the default) or their eager references (False) from
+    now on, process-wide (the patches of :func:`accelerate_model` are process-wide too): for
+    benchmarks that time both in one process. Kernels that failed their check stay eager
+    either way; :func:`kernel_status` is unchanged."""
+    for kernel in _KERNELS.values():
+        kernel.enabled = bool(enabled)
 
 
 def kernel_status() -> dict[str, str]:

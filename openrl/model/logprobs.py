@@ -51,8 +51,6 @@ from openrl.model.lora import LoraRouting, MultiLoRALinear, MultiLoRAModel
 
 #: tokens (rows x positions) per vocabulary-projection chunk.
 DEFAULT_CHUNK_TOKENS = 2048
-#: use :class:`_FusedTargetLogprob` where it applies (False: always the checkpointed path).
-FUSED_LOGPROB = True
 
 
 def logprobs_from_logits(logits: Tensor, ids: Tensor, lse: Tensor | None = None) -> Tensor:
@@ -187,6 +185,7 @@ def target_logprobs(
     *,
     no_grad_adapters: Sequence[str] = (),
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    fused_head: bool = True,
 ) -> Tensor:
     """``log p(target_ids[b, t] | input_ids[b, :t+1])`` under row ``b``'s adapter.
 
@@ -201,6 +200,8 @@ def target_logprobs(
         no_grad_adapters: adapters used detached (forward-only rows; see
             :meth:`MultiLoRAModel.use_adapters`).
         chunk_tokens: tokens per vocabulary-projection chunk (memory/speed trade-off).
+        fused_head: use :class:`_FusedTargetLogprob` where it applies (one target per
+            position, no LoRA on the unembedding); False: always the checkpointed path.
 
     Returns:
         float32 [B, T] (or [B, T, K]) natural-log probabilities; exactly 0.0 at padded
@@ -237,7 +238,7 @@ def target_logprobs(
             hidden = model.hidden_states(input_ids, None, None)  # [B, T, H]
         else:
             hidden = model.hidden_states(input_ids, mask, pos)  # [B, T, H]
-        W = _fused_head_weight(model, routing) if FUSED_LOGPROB and tgt.shape[-1] == 1 else None
+        W = _fused_head_weight(model, routing) if fused_head and tgt.shape[-1] == 1 else None
         if W is not None and torch.is_grad_enabled() and hidden.requires_grad:
             H = hidden.shape[-1]
             lp = _FusedTargetLogprob.apply(

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from functions.trainer.engine import Datum, FwdBwdItem, TrainerEngine
-from openrl.model.lora import LoraSpec, MultiLoRAModel, load_peft_adapter
+from openrl.model.lora import LoraKernelSettings, LoraSpec, MultiLoRAModel, load_peft_adapter
 from openrl.model.logprobs import pad_batch, target_logprobs
 
 VOCAB = 512
@@ -35,19 +35,14 @@ def model_dir(micro_model_dir):
 
 
 @pytest.fixture(params=["stacked", "loop", "blocks", "grouped"])
-def mode(request, monkeypatch):
-    """Every way a layer applies several adapters (see openrl.model.lora.ops.MULTI_ADAPTER_MODE);
-    "blocks" = auto with a rank cap of 10, so r4+r2 stack and r8 runs alone (on CPU "auto"
-    never groups); "grouped" = torch._grouped_mm where the CPU build has it (else it falls
-    back to stacked)."""
-    import openrl.model.lora.ops
-
+def mode(request) -> LoraKernelSettings:
+    """Every way a layer applies several adapters (openrl.model.lora.LoraKernelSettings, set on
+    the engine's model by ``_engine``); "blocks" = auto with a rank cap of 10, so r4+r2 stack
+    and r8 runs alone (on CPU "auto" never groups); "grouped" = torch._grouped_mm where the CPU
+    build has it (else it falls back to stacked)."""
     if request.param == "blocks":
-        monkeypatch.setattr(openrl.model.lora.ops, "MULTI_ADAPTER_MODE", "auto")
-        monkeypatch.setattr(openrl.model.lora.ops, "STACKED_MAX_RANK_SUM", 10)
-    else:
-        monkeypatch.setattr(openrl.model.lora.ops, "MULTI_ADAPTER_MODE", request.param)
-    return request.param
+        return LoraKernelSettings(mode="auto", stacked_max_rank_sum=10)
+    return LoraKernelSettings(mode=request.param)
 
 
 SPECS = {
@@ -57,8 +52,10 @@ SPECS = {
 }
 
 
-def _engine(model_dir, **kw) -> TrainerEngine:
+def _engine(model_dir, kernels: LoraKernelSettings | None = None, **kw) -> TrainerEngine:
     e = TrainerEngine(model_dir, **kw)
+    if kernels is not None:
+        e.model.kernel_settings = kernels
     for name, spec in SPECS.items():
         e.create_run(name, spec)
         g = torch.Generator().manual_seed(100 + spec.seed)
@@ -142,7 +139,7 @@ def test_cobatched_equals_solo(model_dir, engine_kw, mode):
     items = _items()
     solo_results, solo_grads = _solo(model_dir, items)
 
-    e = _engine(model_dir, **engine_kw)
+    e = _engine(model_dir, kernels=mode, **engine_kw)
     # r2 already holds gradients from an earlier forward_backward; its forward_only item in
     # the co-batched pass must leave them exactly as they are.
     prior = e.forward_backward([FwdBwdItem("r2", items[2].datums, "importance_sampling", None, False)])[0]
@@ -194,7 +191,7 @@ def test_rows_without_adapter_match_plain_base(model_dir):
 def test_delta_formula_matches_manual_lora(model_dir, rows, mode):
     """One wrapped linear: y = x W^T + (x A^T) B^T * alpha/rank on the routed rows only
     (contiguous rows use slices, interleaved rows the gather/scatter path)."""
-    e = _engine(model_dir)
+    e = _engine(model_dir, kernels=mode)
     path = "model.layers.0.self_attn.q_proj"
     layer = e.model._layers[path]
     x = torch.randn(len(rows), 5, layer.in_features)
@@ -219,7 +216,7 @@ def test_row_order_does_not_matter(model_dir, mode):
     perm = [0, 2, 1, 3, 4]  # grouped: r4 r4 r8 None r2
 
     def run(order):
-        e = _engine(model_dir)
+        e = _engine(model_dir, kernels=mode)
         ids, mask = pad_batch([seqs[i] for i in order], 0)
         lp = target_logprobs(e.model, ids, ids, mask, [names[i] for i in order])
         lp.sum().backward()
@@ -275,19 +272,16 @@ def test_peft_round_trip_partial_targets(model_dir, tmp_path):
     assert cfg["r"] == 2 and cfg["lora_alpha"] == 32 and cfg["peft_type"] == "LORA"
 
 
-def test_fused_logprob_head_matches_checkpointed(model_dir, monkeypatch):
+def test_fused_logprob_head_matches_checkpointed(model_dir):
     """The fused vocabulary projection (gradient precomputed in the forward; used when the
     unembedding has no LoRA and there is one target per position) gives the logprobs and
     adapter gradients of the checkpointed two-pass path, on a right-padded batch (run with
     no attention mask) and a left-padded one (masked)."""
-    import openrl.model.logprobs as nm
-
     rng = np.random.RandomState(11)
     seqs = [list(_seq(rng, n)) for n in (9, 6, 11)]
     names = ["a", "b", "a"]
 
     def run(fused: bool, side: str):
-        monkeypatch.setattr(nm, "FUSED_LOGPROB", fused)
         e = TrainerEngine(model_dir)
         for i, n in enumerate(("a", "b")):
             e.create_run(n, LoraSpec(rank=4, seed=i, train_unembed=False))
@@ -296,7 +290,7 @@ def test_fused_logprob_head_matches_checkpointed(model_dir, monkeypatch):
                 for p in e.model.adapter_parameters(n):
                     p.add_(torch.randn(p.shape, generator=g) * 0.05)
         ids, mask = pad_batch(seqs, 0, side=side)
-        lp = target_logprobs(e.model, ids, ids.roll(-1, 1), mask, names, chunk_tokens=7)
+        lp = target_logprobs(e.model, ids, ids.roll(-1, 1), mask, names, chunk_tokens=7, fused_head=fused)
         w = torch.linspace(-1, 2, lp.numel()).view_as(lp)
         (lp * w).sum().backward()
         return lp.detach(), {n: _grads(e, n) for n in ("a", "b")}

@@ -18,8 +18,8 @@ The package, in the shape of vLLM's ``lora/`` and PEFT's ``tuners/lora/``:
 ``routing``   :class:`LoraRouting`: rows -> adapters as segment tensors, the kernels chosen
               once for them, and the one call a layer makes (``add_lora``)
 ``ops``       the delta kernels (single, gather/scatter, stacked, grouped GEMM), the
-              ``torch._grouped_mm`` self-check, and the selector with its knobs
-              ``ops.MULTI_ADAPTER_MODE`` / ``ops.STACKED_MAX_RANK_SUM``
+              ``torch._grouped_mm`` self-check, and the selector with its settings
+              (:class:`LoraKernelSettings`)
 ``layer``     :class:`MultiLoRALinear`: base matmul + ``routing.add_lora``
 ``model``     :class:`MultiLoRAModel`: model surgery, adapters, ``use_adapters``
 ``peft_io``   PEFT adapter files: save / read / load
@@ -32,7 +32,7 @@ Conventions
   bf16 base, as PEFT does), the weights cast on the fly; gradients reach the float32 params.
 * Rows of one adapter that are contiguous in the batch are handled with slices (no
   gather/scatter), and several adapters' deltas are computed as one pair of grouped GEMMs
-  (CUDA) or one stacked, row-masked pair of matmuls (see ``ops.MULTI_ADAPTER_MODE``); the
+  (CUDA) or one stacked, row-masked pair of matmuls (see :class:`LoraKernelSettings`); the
   trainer orders rows by adapter. Any row order works (index_select / index_add fallback),
   just slower.
 * Initialisation follows PEFT's default (``init_lora_weights=True``): ``A`` is
@@ -44,9 +44,10 @@ Conventions
 * Saved adapters use PEFT's layout (``peft_io``), so ``peft.PeftModel.from_pretrained`` and
   vLLM's LoRA loader read them.
 
-The kernel-selection knobs live in :mod:`openrl.model.lora.ops` (set them there, e.g.
-``openrl.model.lora.ops.MULTI_ADAPTER_MODE = "stacked"``); they are read when a routing is
-built, i.e. at each ``use_adapters``.
+Kernel selection is a setting of each model, :class:`LoraKernelSettings` (mode, stacked rank
+cap), passed in (``MultiLoRAModel(base, LoraKernelSettings(mode="stacked"))``) or assigned to
+``model.kernel_settings``; it is read when a routing is built, i.e. at each ``use_adapters``,
+and no module global holds it.
 """
 
 from openrl.model.lora.config import (
@@ -60,7 +61,7 @@ from openrl.model.lora.config import (
 )
 from openrl.model.lora.layer import MultiLoRALinear
 from openrl.model.lora.model import MultiLoRAModel
-from openrl.model.lora.ops import KernelPlan, grouped_mm_support
+from openrl.model.lora.ops import KernelPlan, LoraKernelSettings, grouped_mm_support
 from openrl.model.lora.peft_io import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
@@ -77,6 +78,7 @@ __all__ = [
     "ATTN_TARGETS",
     "DEFAULT_LORA_ALPHA",
     "KernelPlan",
+    "LoraKernelSettings",
     "LoraRouting",
     "LoraSpec",
     "MLP_TARGETS",

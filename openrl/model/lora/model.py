@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from openrl.errors import UserError
 from openrl.model.lora.config import ALL_TARGETS, PEFT_KEY_PREFIX, LoraSpec
 from openrl.model.lora.layer import MultiLoRALinear
+from openrl.model.lora.ops import LoraKernelSettings
 from openrl.model.lora.routing import LoraRouting, Router
 
 
@@ -26,6 +27,9 @@ class MultiLoRAModel(nn.Module):
             frozen (``requires_grad=False``) and every ``nn.Linear`` whose attribute name is
             in :data:`~openrl.model.lora.config.ALL_TARGETS` is replaced, once, by a
             :class:`~openrl.model.lora.layer.MultiLoRALinear`.
+        kernel_settings: how the layers apply several adapters in one batch
+            (:class:`~openrl.model.lora.ops.LoraKernelSettings`; default: "auto"). Kept as
+            :attr:`kernel_settings`, which may be reassigned between routings.
 
     Typical use::
 
@@ -38,9 +42,11 @@ class MultiLoRAModel(nn.Module):
     run one forward at a time per model instance.
     """
 
-    def __init__(self, base: nn.Module):
+    def __init__(self, base: nn.Module, kernel_settings: LoraKernelSettings | None = None):
         super().__init__()
         self.base = base
+        #: how layers apply several adapters in one batch (read at each :meth:`use_adapters`)
+        self.kernel_settings = kernel_settings or LoraKernelSettings()
         for p in base.parameters():
             p.requires_grad_(False)
         self._router = Router()
@@ -222,7 +228,8 @@ class MultiLoRAModel(nn.Module):
         for name in set(row_adapters):
             if name is not None and name not in self._specs:
                 raise KeyError(f"no adapter named {name!r}")
-        routing = LoraRouting(row_adapters, no_grad_adapters, device=self.device, dtype=self.dtype)
+        routing = LoraRouting(row_adapters, no_grad_adapters, device=self.device, dtype=self.dtype,
+                              settings=self.kernel_settings)
         with self.routed(routing):
             yield routing
 

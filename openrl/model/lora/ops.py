@@ -20,39 +20,64 @@ on the fly to ``x``'s dtype: gradients reach the float32 parameters through the 
   and the kernel count does not grow with the number of adapters. Checked once per
   (device type, dtype) by :func:`grouped_mm_support`.
 
-Which ones a batch uses is decided once per routing by :func:`select_plan` from the knobs
-:data:`MULTI_ADAPTER_MODE` and :data:`STACKED_MAX_RANK_SUM` (benchmarks set them).
+Which ones a batch uses is decided once per routing by :func:`select_plan` from the model's
+:class:`LoraKernelSettings` (passed in; no module global).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Literal, Sequence
 
 import torch
 from torch import Tensor
 
-#: How a layer applies several adapters in one batch. "stacked": one pair of matmuls over
-#: the concatenated adapters with each row masked to its own adapter's columns (a fixed
-#: handful of kernels, but every row pays the summed rank in FLOPs). "loop": one delta per
-#: adapter on its rows (kernel-launch bound on GPU). "grouped": per-adapter products; when
-#: every adapter's rows are contiguous (the trainer orders them so), one grouped GEMM per side
-#: (``torch._grouped_mm``: each row block times its own adapter's weights, ranks
-#: zero-padded to the largest), so a row pays only its own rank in FLOPs and the kernel
-#: count does not grow with the number of adapters; falls back to "stacked" blocks where
-#: ``torch._grouped_mm`` is missing or fails its one-time self-check on the device/dtype.
-#: "auto": "grouped" on CUDA when the self-check passes, else consecutive adapters stacked in
-#: blocks of summed rank <= STACKED_MAX_RANK_SUM.
-#: Read when a routing is built (:func:`select_plan`), not on every layer call.
-#: Measured before "grouped" existed, on one H200 (Qwen3-4B shapes, bf16, rank 32, 8192
-#: tokens per forward_backward pass): 4 runs: loop 788 ms, stacked/auto 577 ms; 8 runs:
-#: 1158 / 622 ms; 16 runs: 1786 / 715 ms; one adapter over the same tokens: 550 ms; the same
-#: work as one pass per run: 912 / 1467 / 3043 ms. With "grouped", docs/benchmarks.md.
-MULTI_ADAPTER_MODE = "auto"
-#: Most summed rank stacked into one masked pair of matmuls in "auto" mode (and in
-#: "grouped" mode where the grouped kernel is unusable).
-STACKED_MAX_RANK_SUM = 512
+#: How a layer applies several adapters in one batch (:attr:`LoraKernelSettings.mode`).
+MultiAdapterMode = Literal["auto", "grouped", "stacked", "loop"]
+MULTI_ADAPTER_MODES: tuple[str, ...] = ("auto", "grouped", "stacked", "loop")
+
+
+@dataclass(frozen=True)
+class LoraKernelSettings:
+    """How the LoRA layers of one :class:`~openrl.model.lora.MultiLoRAModel` apply several
+    adapters in one batch: passed to the model (``MultiLoRAModel(base, kernel_settings)``,
+    or assigned to its ``kernel_settings``), read when a routing is built
+    (:func:`select_plan`), never on a layer call.
+
+    Attributes:
+        mode: "stacked": one pair of matmuls over the concatenated adapters with each row
+            masked to its own adapter's columns (a fixed handful of kernels, but every row
+            pays the summed rank in FLOPs). "loop": one delta per adapter on its rows
+            (kernel-launch bound on GPU). "grouped": per-adapter products; when every
+            adapter's rows are contiguous (the trainer orders them so), one grouped GEMM per
+            side (``torch._grouped_mm``: each row block times its own adapter's weights,
+            ranks zero-padded to the largest), so a row pays only its own rank in FLOPs and
+            the kernel count does not grow with the number of adapters; falls back to
+            "stacked" blocks where ``torch._grouped_mm`` is missing or fails its one-time
+            self-check on the device/dtype. "auto" (default): "grouped" on CUDA when the
+            self-check passes, else consecutive adapters stacked in blocks of summed rank
+            <= ``stacked_max_rank_sum``.
+        stacked_max_rank_sum: most summed rank stacked into one masked pair of matmuls in
+            "auto" mode (and in "grouped" mode where the grouped kernel is unusable).
+
+    Measured before "grouped" existed, on one H200 (Qwen3-4B shapes, bf16, rank 32, 8192
+    tokens per forward_backward pass): 4 runs: loop 788 ms, stacked/auto 577 ms; 8 runs:
+    1158 / 622 ms; 16 runs: 1786 / 715 ms; one adapter over the same tokens: 550 ms; the
+    same work as one pass per run: 912 / 1467 / 3043 ms. With "grouped", docs/benchmarks.md.
+
+    Raises:
+        ValueError: an unknown ``mode`` or a ``stacked_max_rank_sum`` below 1.
+    """
+
+    mode: MultiAdapterMode = "auto"
+    stacked_max_rank_sum: int = 512
+
+    def __post_init__(self) -> None:
+        if self.mode not in MULTI_ADAPTER_MODES:
+            raise ValueError(f"LoraKernelSettings.mode must be one of {MULTI_ADAPTER_MODES}, not {self.mode!r}")
+        if int(self.stacked_max_rank_sum) < 1:
+            raise ValueError(f"LoraKernelSettings.stacked_max_rank_sum must be >= 1, not {self.stacked_max_rank_sum}")
 
 
 # ------------------------------------------------------------------------ selection
@@ -73,26 +98,28 @@ class KernelPlan:
     rank_cap: float
 
 
-def _rank_cap(mode: str) -> float:
+def _rank_cap(settings: LoraKernelSettings) -> float:
     """Most summed rank stacked into one masked pair of matmuls (interleaved rows, and
     contiguous rows when the grouped path is not used)."""
-    if mode in ("loop", "grouped"):  # "grouped": per-adapter products throughout
+    if settings.mode in ("loop", "grouped"):  # "grouped": per-adapter products throughout
         return 0
-    if mode == "stacked":
+    if settings.mode == "stacked":
         return math.inf
-    return STACKED_MAX_RANK_SUM
+    return settings.stacked_max_rank_sum
 
 
-def select_plan(contiguous: bool, n_adapters: int, device: torch.device, dtype: torch.dtype) -> KernelPlan:
-    """Choose the kernels for a routing from :data:`MULTI_ADAPTER_MODE` (read now).
+def select_plan(contiguous: bool, n_adapters: int, device: torch.device, dtype: torch.dtype,
+                settings: LoraKernelSettings = LoraKernelSettings()) -> KernelPlan:
+    """Choose the kernels for a routing from ``settings``.
 
     Args:
         contiguous: every adapter's rows form one contiguous segment.
         n_adapters: distinct adapters in the batch.
         device, dtype: where and in which dtype the layers compute (the model's); the
             grouped kernel's one-time self-check runs for them when it could be used.
+        settings: the model's :class:`LoraKernelSettings`.
     """
-    mode = MULTI_ADAPTER_MODE
+    mode = settings.mode
     grouped = False
     if contiguous and n_adapters > 1:
         if mode == "grouped" or (mode == "auto" and torch.device(device).type == "cuda"):
@@ -100,8 +127,8 @@ def select_plan(contiguous: bool, n_adapters: int, device: torch.device, dtype: 
     if grouped:
         return KernelPlan(True, math.inf)
     if mode == "grouped" and contiguous:  # grouped_mm unusable: stacked blocks
-        return KernelPlan(False, STACKED_MAX_RANK_SUM)
-    return KernelPlan(False, _rank_cap(mode))
+        return KernelPlan(False, settings.stacked_max_rank_sum)
+    return KernelPlan(False, _rank_cap(settings))
 
 
 # ------------------------------------------------------------------------ kernels

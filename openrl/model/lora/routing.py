@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from openrl.model.lora.ops import (
+    LoraKernelSettings,
     grouped_lora_delta,
     grouped_mm_support,
     index_add_lora,
@@ -23,6 +24,11 @@ from openrl.model.lora.ops import (
     stacked_lora_delta,
     select_plan,
 )
+
+
+#: One block of a layer call: ``(start, end, segments)``; ``segments`` are the ``(start, end,
+#: adapter name)`` runs applied together in it, ``()`` for rows given the base output only.
+Block = tuple[int, int, tuple[tuple[int, int, str], ...]]
 
 
 class LoraRouting:
@@ -41,11 +47,12 @@ class LoraRouting:
         groups: when ``segments`` is None: adapter name -> int64 row indices [n] on the
             model's device (the gather / scatter-add path); else empty.
         detached: adapter names whose parameters are used detached (no gradient).
-        plan: the kernels chosen for this routing (:func:`ops.select_plan`).
+        plan: the kernels chosen for this routing (:func:`ops.select_plan`, from the model's
+            :class:`~openrl.model.lora.ops.LoraKernelSettings`).
     """
 
     __slots__ = ("segments", "groups", "detached", "batch_size", "row_names", "names", "plan",
-                 "row_adapter_ids", "seg_starts", "seg_lens", "seg_adapter_ids", "_cache")
+                 "row_adapter_ids", "seg_starts", "seg_lens", "seg_adapter_ids", "_cache", "_blocks")
 
     def __init__(
         self,
@@ -54,6 +61,7 @@ class LoraRouting:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        settings: LoraKernelSettings = LoraKernelSettings(),
     ):
         self.row_names = list(row_names)
         self.batch_size = len(self.row_names)
@@ -81,8 +89,9 @@ class LoraRouting:
                 if name is not None:
                     rows.setdefault(name, []).append(i)
             self.groups = {k: torch.tensor(v, dtype=torch.long, device=device) for k, v in rows.items()}
-        self.plan = select_plan(contiguous, len(self.names), torch.device(device), dtype)
+        self.plan = select_plan(contiguous, len(self.names), torch.device(device), dtype, settings)
         self._cache: dict[tuple, Tensor] = {}
+        self._blocks: dict[tuple, tuple[Block, ...]] = {}
 
     # ------------------------------------------------------------------ small cached tensors
 
@@ -141,7 +150,7 @@ class LoraRouting:
             raise RuntimeError(
                 f"MultiLoRALinear got a batch of {x.shape[0]} rows but routing is for {self.batch_size}"
             )
-        present = [n for n in self.names if n in lora_a]
+        present = tuple((n, lora_a[n].shape[0]) for n in self.names if n in lora_a)  # (name, rank)
         if not present:
             return y
 
@@ -150,49 +159,66 @@ class LoraRouting:
             return (a.detach(), b.detach()) if name in self.detached else (a, b)
 
         if self.segments is None:
-            return self._add_interleaved(y, x, present, weights, scaling)
-        grouped = self.plan.grouped and len(present) > 1
-        cap = self.plan.rank_cap
-        # Rows of each adapter are contiguous. Consecutive adapters are grouped into blocks
-        # of summed rank <= cap; each block works on its slice of rows (views): a single
-        # adapter as one delta, several as one grouped or stacked delta. One concatenation.
+            return self._add_interleaved(y, x, [n for n, _ in present], weights, scaling)
+        blocks = self._blocks.get(present)
+        if blocks is None:  # planned once per routing and set of adapters (layers share it)
+            blocks = self._blocks[present] = self.plan_blocks(present)
+        # Each block works on its slice of rows (views): base output only, a single adapter as
+        # one delta, several as one grouped or stacked delta. One concatenation.
         parts: list[Tensor] = []
-        block: list[tuple[int, int, str]] = []
-        block_rank = 0
-
-        def flush() -> None:
-            nonlocal block_rank
-            if not block:
-                return
-            s0, e1 = block[0][0], block[-1][1]
+        for s0, e1, segs in blocks:
+            if not segs:
+                parts.append(y[s0:e1])
+                continue
             whole = s0 == 0 and e1 == x.shape[0]
             xs, ys = (x, y) if whole else (x[s0:e1], y[s0:e1])
-            names = [n for _, _, n in block]
+            names = [n for _, _, n in segs]
             ws = [weights(n) for n in names]
             if len(names) == 1:
                 d = lora_delta(xs, *ws[0], scaling[names[0]])
-            elif grouped and _grouped_fits(xs, block, ws[0][1].shape[0]):
-                d = self._grouped(xs, block, ws, [scaling[n] for n in names])
+            elif self.plan.grouped and _grouped_fits(xs, segs, ws[0][1].shape[0]):
+                d = self._grouped(xs, segs, ws, [scaling[n] for n in names])
             else:
                 m = self.mask(names, [a.shape[0] for a, _ in ws], [scaling[n] for n in names],
                               xs.dtype, xs.device, (s0, e1))
                 d = stacked_lora_delta(xs, [a for a, _ in ws], [b for _, b in ws], m)
             parts.append(ys + d.to(y.dtype))
-            block.clear()
-            block_rank = 0
-
-        for start, end, name in self.segments:
-            if name is None or name not in lora_a:
-                flush()
-                parts.append(y[start:end])
-                continue
-            r = lora_a[name].shape[0]
-            if block and block_rank + r > cap:
-                flush()
-            block.append((start, end, name))
-            block_rank += r
-        flush()
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def plan_blocks(self, present: Sequence[tuple[str, int]]) -> tuple[Block, ...]:
+        """The blocks a layer with adapters ``present`` (``(name, rank)``, in :attr:`names`
+        order) works in, when every adapter's rows are contiguous: ``(start, end, segments)``
+        tiling ``[0, B)`` in row order, where ``segments`` is ``()`` for rows that get the base
+        output only (no adapter, or one this layer lacks) and else the consecutive
+        ``(start, end, name)`` runs applied together, of summed rank <= the plan's
+        ``rank_cap`` (a single adapter may exceed it, alone). Pure; cached per ``present`` by
+        :meth:`add_lora`.
+
+        Raises:
+            RuntimeError: the routing's adapters are not contiguous (``segments`` is None).
+        """
+        if self.segments is None:
+            raise RuntimeError("plan_blocks needs contiguous adapter rows")
+        ranks = dict(present)
+        cap = self.plan.rank_cap
+        blocks: list[Block] = []
+        block: list[tuple[int, int, str]] = []
+        block_rank = 0
+        for start, end, name in self.segments:
+            if name is None or name not in ranks:
+                if block:
+                    blocks.append((block[0][0], block[-1][1], tuple(block)))
+                    block, block_rank = [], 0
+                blocks.append((start, end, ()))
+                continue
+            if block and block_rank + ranks[name] > cap:
+                blocks.append((block[0][0], block[-1][1], tuple(block)))
+                block, block_rank = [], 0
+            block.append((start, end, name))
+            block_rank += ranks[name]
+        if block:
+            blocks.append((block[0][0], block[-1][1], tuple(block)))
+        return tuple(blocks)
 
     def _add_interleaved(self, y: Tensor, x: Tensor, present: list[str], weights, scaling) -> Tensor:
         """Rows of some adapter are not contiguous: one stacked delta over the whole batch
@@ -208,7 +234,7 @@ class LoraRouting:
                 y = index_add_lora(y, x, rows, *ws[name], scaling[name])
         return y
 
-    def _grouped(self, xs: Tensor, block: list[tuple[int, int, str]], ws: list[tuple[Tensor, Tensor]],
+    def _grouped(self, xs: Tensor, block: Sequence[tuple[int, int, str]], ws: list[tuple[Tensor, Tensor]],
                  scales: list[float]) -> Tensor:
         """:func:`ops.grouped_lora_delta` for one block of contiguous segments (offsets and
         the per-token scale column cached on the routing)."""
@@ -231,7 +257,7 @@ class LoraRouting:
         return grouped_lora_delta(xs, [a for a, _ in ws], [b for _, b in ws], offs, scale)
 
 
-def _grouped_fits(xs: Tensor, block: list[tuple[int, int, str]], out_features: int) -> bool:
+def _grouped_fits(xs: Tensor, block: Sequence[tuple[int, int, str]], out_features: int) -> bool:
     """Layout conditions of ``torch._grouped_mm`` for this block: 16-byte aligned row
     strides on CUDA (in/out features multiples of 8 for bf16), the kernel usable for xs's
     device/dtype and, where the self-check said so, group sizes (rows x tokens per row)
@@ -257,4 +283,4 @@ class Router:
         self.current: LoraRouting | None = None
 
 
-__all__ = ["LoraRouting", "Router"]
+__all__ = ["Block", "LoraRouting", "Router"]
