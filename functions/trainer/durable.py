@@ -5,8 +5,9 @@ back (invariant 7). What a training run needs to continue exactly where it stopp
 
 - the LoRA adapter and its AdamW state (``engine.save_state``: PEFT files + ``optimizer.pt``),
 - gradients accumulated by forward_backward calls not yet followed by optim_step (``grads.pt``),
-- the seq_id cursor: the scheduler's ``next_seq`` of the run (state at cursor N = every
-  request with seq_id < N applied, none >= N),
+- the seq_id cursor: the run's ``next_seq`` in the trainer's
+  :class:`~functions.trainer.cursor.RunCursor` (state at cursor N = every request with
+  seq_id < N applied, none >= N),
 - run metadata: base model, LoRA config, optimizer config,
 - results of requests that were applied but whose handler had not returned yet when the
   snapshot was taken (``results.json``): the binding may not have stored them in the futures
@@ -28,7 +29,7 @@ When:
 - never per request (a hard crash loses what happened after the last flush; those
   requests' futures were already answered, so later seq_ids of that run fail after the
   scheduler's gap timeout, with category "server" when the gap is at the cursor of a
-  restore from a periodic flush: ``crash_restored``, ``TrainerFunction._gap_error``).
+  restore from a periodic flush: ``RunCursor.lost_at`` / ``RunCursor.gap_error``).
   Requests the crashed trainer had not answered are redelivered and applied once on the
   restored state (docs/errors.md, "Faults").
 
@@ -53,16 +54,14 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from openrl.observe import startup
 from openrl.contract.records import RunStateInfo
 from openrl.storage import RunState, RunStateConflict, Storage
 
+from functions.trainer.cursor import RunCursor
 from functions.trainer.runs import RunTable
-
-if TYPE_CHECKING:
-    from functions.trainer.scheduler import Scheduler
 
 log = logging.getLogger("openrl.trainer.durable")
 
@@ -106,8 +105,9 @@ class RunDurability:
         storage: where run state goes (the same store as checkpoints).
         runs: the trainer's run table (which runs are held, on what base model, with what
             metadata); a restore adds to it.
-        scheduler: the trainer's scheduler (a run's cursor is its ``next_seq``; a restore
-            resets it and seeds its recent results).
+        cursor: the runs' seq_id cursors, shared with the scheduler
+            (:class:`~functions.trainer.cursor.RunCursor`; a restore resets a run's and seeds
+            its recent results and ``lost_at``).
         engines: base-model key -> ``TrainerEngine`` (the trainer's live dict).
         load_engine: ``(base_model name) -> base-model key``, loading the engine once;
             blocking (called in a worker thread).
@@ -122,20 +122,17 @@ class RunDurability:
     the cursor of its last flush.
     """
 
-    def __init__(self, storage: Storage, runs: RunTable, scheduler: "Scheduler", *,
+    def __init__(self, storage: Storage, runs: RunTable, cursor: RunCursor, *,
                  engines: Mapping[str, Any], load_engine: Callable[[str], str], engine_lock: asyncio.Lock,
                  interval_s: float = 120.0, restore_wait_s: float = 10.0):
         self.storage = storage
-        self.runs, self.scheduler = runs, scheduler
+        self.runs, self.seq = runs, cursor
         self.engines, self.load_engine, self.engine_lock = engines, load_engine, engine_lock
         self.interval_s = float(interval_s)
         self.restore_wait_s = float(restore_wait_s)
         self.tokens: dict[str, str | None] = {}  # model_id -> pointer token (None: no pointer yet)
         self.flushed: dict[str, int] = {}  # model_id -> cursor of the last flush
         self.in_flight: dict[str, set[int]] = {}  # model_id -> seq_ids whose handler has not returned
-        # model_id -> cursor of a restore from a periodic (not final) flush: the previous trainer
-        # may have died after applying requests it never flushed (see TrainerFunction._gap_error)
-        self.crash_restored: dict[str, int] = {}
         self.flushes = 0  # snapshots written by this process (tests, metrics)
         self._run_locks: dict[str, asyncio.Lock] = {}
         self._stop = asyncio.Event()
@@ -196,8 +193,7 @@ class RunDurability:
 
     def cursor(self, model_id: str) -> int:
         """The run's seq_id cursor: every request below it applied (1 when nothing ran)."""
-        q = self.scheduler.runs.get(model_id)
-        return q.next_seq if q is not None else 1
+        return self.seq.next_seq(model_id)
 
     def dirty(self, model_id: str) -> bool:
         """True when the run changed since its last flush (or was never flushed)."""
@@ -240,13 +236,9 @@ class RunDurability:
                     key = self.runs.base_key(model_id)
                     if key is None:
                         return False
-                    q = self.scheduler.runs.get(model_id)
-                    cursor = q.next_seq if q is not None else 1
-                    results = {}
-                    if q is not None:
-                        for s in self.in_flight.get(model_id, ()):
-                            if s < cursor and s in q.done:
-                                results[str(s)] = encode_result(q.done[s])
+                    cursor = self.seq.next_seq(model_id)
+                    results = {str(s): encode_result(r)
+                               for s, r in self.seq.results(model_id, self.in_flight.get(model_id, ())).items()}
                     await asyncio.to_thread(self._write_snapshot, self.engines[key], model_id, tmp, results)
                 meta = self.runs.meta(model_id)
                 info = RunStateInfo(model_id=model_id, cursor=cursor, final=bool(final),
@@ -324,18 +316,14 @@ class RunDurability:
                 await asyncio.to_thread(self._load, engine, model_id, rs.directory, spec)
         cursor = info.cursor
         self.runs.add(model_id, key, rs.info)
-        self.scheduler.reset(model_id, cursor)
-        q = self.scheduler.queue(model_id)
         results_file = rs.directory / RESULTS_NAME
-        if results_file.is_file():
-            for s, rec in json.loads(results_file.read_text()).items():
-                q.done[int(s)] = decode_result(rec)
+        results = {int(s): decode_result(rec) for s, rec in json.loads(results_file.read_text()).items()} \
+            if results_file.is_file() else {}
+        # from a periodic (not final) flush: the previous trainer may have died after applying
+        # requests it never flushed (RunCursor.gap_error answers "server" for that gap)
+        self.seq.reset(model_id, cursor, results, lost_at=None if info.final else cursor)
         self.tokens[model_id] = rs.token
         self.flushed[model_id] = cursor
-        if info.final:
-            self.crash_restored.pop(model_id, None)
-        else:
-            self.crash_restored[model_id] = cursor
         log.info("restored run state of %s at cursor %d (flushed by %s)", model_id, cursor, info.flushed_by)
 
     @staticmethod
@@ -362,5 +350,4 @@ class RunDurability:
         self.tokens.pop(model_id, None)
         self.flushed.pop(model_id, None)
         self.in_flight.pop(model_id, None)
-        self.crash_restored.pop(model_id, None)
         await asyncio.to_thread(self.storage.delete_run_state, model_id)

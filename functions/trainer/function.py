@@ -15,10 +15,12 @@ run restores it from storage on the run's first request.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from openrl import testhooks
@@ -37,7 +39,7 @@ from openrl.storage import CheckpointExists, TinkerPath, build_manifest, open_st
 
 from functions.trainer.durable import RunDurability
 from functions.trainer.runs import RunTable
-from functions.trainer.scheduler import PackPolicy, Pending, Scheduler
+from functions.trainer.scheduler import PackPolicy, Pending, Scheduler, Work, run_works
 from functions.trainer.snapshots import SnapshotWriter
 from openrl.storage.handoff import SnapshotHandoff
 
@@ -66,6 +68,7 @@ class TrainerFunction:
         self.nats_url: str | None = None
         self.load_failures = LoadFailures()  # base models that failed to load (openrl/model/loadfailures.py)
         self.snapshots: SnapshotWriter | None = None  # unnamed sampler snapshots through memory (one machine)
+        self._work: asyncio.Task | None = None  # the one loop: scheduler.next_work -> _execute -> finish
 
     async def start(self, cfg: Settings | dict | None = None) -> None:
         """Open storage and the registry, start the scheduler and the run-state flusher,
@@ -113,16 +116,14 @@ class TrainerFunction:
         self.trainer_gpus = cfg.trainer_gpus  # > 1: FSDP2 engine over that many ranks (functions/trainer/distributed.py)
         self._limit_gpu_memory(cfg.trainer_gpu_memory)
         self.scheduler = Scheduler(
-            self._run_packed, self._run_single, self.runs.group_of,
-            gap_timeout_s=cfg.seq_gap_timeout_s, max_ahead=cfg.max_seq_ahead,
-            on_pass=self._account, gap_error=self._gap_error, run_optims=self._run_optims,
+            self.runs, gap_timeout_s=cfg.seq_gap_timeout_s, max_ahead=cfg.max_seq_ahead,
             policy=PackPolicy(max_delay_s=cfg.pack_max_delay_s),
-            owner_of=self.runs.owner, pass_token_budget=cfg.pass_token_budget,  # fair share per API key
+            pass_token_budget=cfg.pass_token_budget,  # fair share per API key
         )
-        self.durable = RunDurability(self.storage, self.runs, self.scheduler, engines=self.engines,
+        self.durable = RunDurability(self.storage, self.runs, self.scheduler.cursor, engines=self.engines,
                                      load_engine=self._engine_for, engine_lock=self._lock,
                                      interval_s=cfg.flush_interval_s, restore_wait_s=cfg.restore_wait_s)
-        self.scheduler.start()
+        self._work = asyncio.get_running_loop().create_task(run_works(self.scheduler, self._execute))
         self.durable.start()
         if self.snapshots is not None:  # what a previous trainer handed off but did not write
             self._recovery = asyncio.get_running_loop().create_task(self.snapshots.recover())
@@ -146,7 +147,8 @@ class TrainerFunction:
             return
         await self.durable.stop_periodic()
         async with self._lock:  # the op in progress (if any) completes and updates its cursor first
-            await self.scheduler.stop()
+            if self._work is not None:
+                self._work.cancel()
         await self.durable.wait_idle()  # creates / restores / unloads already under way
         if self.snapshots is not None:  # handed-off snapshots reach storage before the process ends
             await self.snapshots.drain()
@@ -318,8 +320,7 @@ class TrainerFunction:
             if op == "skip":
                 return None
             raise NotFound("model_id", f"training run {model_id!r} is not loaded on this trainer")
-        q = self.scheduler.runs.get(model_id)
-        if q is not None and seq_id < q.next_seq and seq_id not in q.done:
+        if self.scheduler.cursor.applied_without_result(model_id, seq_id):
             return _APPLIED
         self.durable.begin(model_id, seq_id)
         try:
@@ -339,7 +340,7 @@ class TrainerFunction:
         if self.durable.interval_s > 0:
             # with periodic flushes on, a run is restorable from its creation: a trainer crash
             # before the first periodic flush then restores it at cursor 1 (and its later
-            # requests fail with category "server", see _gap_error) instead of "not loaded"
+            # requests fail with category "server", see RunCursor.gap_error) instead of "not loaded"
             try:
                 await self.durable.flush_run(model_id)
             except Exception:  # noqa: BLE001 - the periodic flush retries; the create itself succeeded
@@ -380,24 +381,6 @@ class TrainerFunction:
             await self.durable.forget(model_id)  # an unloaded run is not restored
         return {"model_id": model_id, "type": "unload_model"}
 
-    def _gap_error(self, model_id: str, seq_id: int, missing: int) -> BaseException | None:
-        """The failure of ``seq_id`` whose predecessor ``missing`` never arrived (gap timeout).
-
-        When this trainer restored the run from a periodic (not final) flush at cursor
-        ``missing`` and nothing has run since, the previous trainer died (SIGKILL, OOM, node
-        loss) after applying and answering requests from ``missing`` on that it had not
-        flushed: their effect is lost and cannot be replayed, so the request fails with
-        category "server". Otherwise None (the scheduler's "user" gap error).
-        """
-        lost_at = self.durable.crash_restored.get(model_id)
-        if lost_at is None or lost_at != missing:
-            return None
-        return ServerError(
-            f"seq_id {seq_id} of {model_id} cannot run: the trainer that held the run stopped without "
-            f"flushing its state; it was restored at seq_id {missing} from its last flush (at creation or "
-            f"periodic, OPENRL_FLUSH_INTERVAL_S), and the requests from seq_id {missing} on that the lost "
-            "trainer had applied are gone. Continue from a saved checkpoint (create_training_client_from_state).")
-
     def _account(self, items: list[Pending], seconds: float) -> None:
         """Usage metrics of one scheduler pass: tokens per op and device seconds per owner."""
         from openrl.observe import metrics
@@ -407,7 +390,50 @@ class TrainerFunction:
                 for p in items]
         metrics.record_trained(work, seconds)
 
-    # ----- execution (called by the scheduler, in seq_id order) ---------------------
+    # ----- execution (the one loop: scheduler.next_work -> _execute -> scheduler.finish) ------
+    async def _execute(self, work: Work) -> list:
+        """Run one :class:`~functions.trainer.scheduler.Work` (its requests are each run's next in
+        seq_id order) and account its device time; results align with ``work.items`` (an
+        exception per failed request).
+
+        - "pass": one packed forward(_backward) pass (:meth:`_run_packed`), traced as the
+          ``trainer pass`` span;
+        - "optims": one fused optimizer update of several runs (:meth:`_run_optims`);
+        - "singles": the heads of different runs, concurrently (their engine work is
+          serialised by the engine lock, their I/O overlaps), each accounted on its own.
+        """
+        from openrl.observe import metrics, tracing
+
+        busy = metrics.busy_clock("trainer")
+        if work.kind == "singles":
+            async def one(p: Pending):
+                t0 = time.perf_counter()
+                try:
+                    with busy.job():  # openrl_busy_seconds_total
+                        return await self._run_single(p)
+                except Exception as exc:  # noqa: BLE001 - the failure belongs to this request
+                    return exc
+                finally:
+                    self._account([p], time.perf_counter() - t0)
+
+            return list(await asyncio.gather(*(one(p) for p in work.items)))
+        t0 = time.perf_counter()
+        try:
+            if work.kind == "optims":
+                with busy.job():
+                    return await self._run_optims(work.items)
+            items = work.items
+            with tracing.span("trainer pass", attributes={
+                    "openrl.pass.index": work.index, "openrl.pass.runs": work.runs,
+                    "openrl.pass.tokens": sum(p.tokens for p in items),
+                    "openrl.pass.items": json.dumps([[p.model_id, p.seq_id, p.after_pass, p.tokens,
+                                                      self.runs.owner(p.model_id) or f"run:{p.model_id}"]
+                                                     for p in items[:512]])}):
+                with busy.job():
+                    return await self._run_packed(items)
+        finally:
+            self._account(work.items, time.perf_counter() - t0)
+
     async def _run_packed(self, items: list[Pending]) -> list:
         """Ready forward(_backward) requests of one base model: stable_reinforce ones first get
         their recorded sampler logprobs (a request whose provenance does not resolve fails alone

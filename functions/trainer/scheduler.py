@@ -1,12 +1,14 @@
 """Per-run seq_id ordering and the packing of several runs into one pass.
 
 Every training request waits in its run's queue until all lower seq_ids have run
-(invariant 2). A single scheduler task then takes, for every run, the longest prefix of
-ready forward / forward_backward requests, and runs the prefixes of all runs that share a
-base model as ONE engine pass (the co-batching of issue 8). The ready ``optim_step``s of
-several runs on one base model apply as one fused multi-tensor AdamW update
-(``run_optims``); other operations (save, load) of different runs run concurrently (one
-per run at a time, in seq_id order within the run).
+(invariant 2; the runs' cursors are a :class:`~functions.trainer.cursor.RunCursor`). The
+scheduler plans; the trainer's one loop (:func:`run_works`) executes: :meth:`Scheduler.next_work`
+hands out, for every run, the longest prefix of ready forward / forward_backward requests,
+the prefixes of all runs that share a base model as ONE engine pass (a "pass" :class:`Work`,
+the co-batching of issue 8); the ready ``optim_step``s of several runs on one base model as
+one fused multi-tensor AdamW update ("optims"); other operations (save, load) of different
+runs as "singles", which the trainer runs concurrently (one per run at a time, in seq_id
+order within the run). :meth:`Scheduler.finish` resolves a work's requests.
 
 Batching policy (:class:`PackPolicy`): a pass does not start the moment one run is ready.
 The scheduler knows which runs of the base model are *active* (they sent a forward or
@@ -41,14 +43,14 @@ gets the cached result of the first.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
-from openrl.observe import metrics, tracing
+from functions.trainer.cursor import RunCursor
 from openrl.errors import UserError
+from openrl.observe import metrics
 
 PACKABLE = ("forward", "forward_backward")
 
@@ -65,6 +67,7 @@ class Pending:
     arrived: float = field(default_factory=time.monotonic)
     tokens: int = 0  # tokens of a forward(_backward) (sum over its datums), 0 for other ops
     after_pass: int = 0  # packed passes started before it arrived (its "next pass" is after_pass + 1)
+    dispatched: bool = False  # handed out by next_work, not finished yet
 
 
 def request_tokens(payload: Any) -> int:
@@ -74,15 +77,6 @@ def request_tokens(payload: Any) -> int:
         return sum(len(d.tokens) for d in (getattr(payload, "data", None) or ()))
     except (TypeError, AttributeError):
         return 0
-
-
-@dataclass
-class RunQueue:
-    """The ordering state of one training run."""
-
-    next_seq: int = 1
-    pending: dict[int, Pending] = field(default_factory=dict)
-    done: "OrderedDict[int, Any]" = field(default_factory=OrderedDict)  # seq_id -> result (recent)
 
 
 @dataclass
@@ -194,116 +188,136 @@ class PackPolicy:
         self.gather_since.pop(group, None)
 
 
+class RunDirectory(Protocol):
+    """What the scheduler asks of the trainer's run table
+    (:class:`functions.trainer.runs.RunTable` has both)."""
+
+    def group_of(self, model_id: str) -> str:
+        """The packing group of a run: only runs of one group (one base model) share a pass."""
+
+    def owner(self, model_id: str) -> str | None:
+        """The owner id (API key) of a run, for the fair fill; None: the run is its own owner."""
+
+
+@dataclass
+class Work:
+    """One unit of work the scheduler hands out (:meth:`Scheduler.next_work`); the caller runs
+    it and resolves it with :meth:`Scheduler.finish`.
+
+    Attributes:
+        kind: "pass" (the ready forward(_backward) prefixes of one base model's runs: one packed
+            pass), "optims" (the ready ``optim_step``s of several runs of one base model: one
+            fused update) or "singles" (the ready heads of different runs that are neither:
+            saves, loads, single optim_steps; they may run concurrently, one per run).
+        items: its requests, in order (a pass: run by run, each run's in seq_id order).
+        group: the base model's packing group ("pass", "optims"); None for "singles".
+        index: the pass number (1, 2, ...) for a "pass"; 0 otherwise.
+    """
+
+    kind: str
+    items: list[Pending]
+    group: str | None = None
+    index: int = 0
+
+    @property
+    def runs(self) -> int:
+        """Distinct runs in the work."""
+        return len({p.model_id for p in self.items})
+
+
 class Scheduler:
-    """Orders requests per run and packs ready forward(_backward)s across runs.
+    """Orders requests per run and plans the trainer's work: packed passes across runs, fused
+    optimizer batches, single requests. It runs nothing itself: the trainer's one loop takes
+    :meth:`next_work`, executes it and calls :meth:`finish` (:func:`run_works`).
 
     Args:
-        run_packed: ``async (list[Pending]) -> list[result]`` runs one packed pass
-            (all items share a base model); results align with the input.
-        run_single: ``async (Pending) -> result`` runs any other operation.
-        group_of: ``(model_id) -> str``, the packing group of a run: only runs of one group
-            (one base model) share a pass. The trainer passes its run table's
-            :meth:`functions.trainer.runs.RunTable.group_of`; the scheduler keeps no run table
-            of its own beyond the per-run ordering state in ``runs``.
-        gap_timeout_s: how long a request may wait for a missing predecessor (seconds).
-        window_s: how long to wait for more runs' requests before a pass (seconds).
-        on_pass: called after every pass with its requests and its duration (seconds), for
-            usage accounting; the packed-runs histogram is observed here.
-        run_optims: ``async (list[Pending]) -> list[result | exception]`` applies the ready
-            ``optim_step``s of several runs of one base model as one fused update (results
-            align with the input); None runs each through ``run_single``.
-        policy: the batching policy (default: :class:`PackPolicy` with its defaults).
+        directory: the trainer's run table (:class:`RunDirectory`: packing group and owner of a
+            run); the scheduler keeps no run table of its own beyond the requests it holds.
+        cursor: the runs' seq_id cursors (:class:`functions.trainer.cursor.RunCursor`), shared
+            with run durability; a new one when None.
+        gap_timeout_s: how long a request may wait for a missing predecessor (seconds); then it
+            fails with :meth:`RunCursor.gap_error` ("server" when the gap is work lost in a
+            trainer crash, else "user" on ``seq_id``).
+        window_s: how long to wait for more runs' requests before planning (seconds).
         max_ahead: a request of a known run whose seq_id is more than this many past the
             run's next expected seq_id fails at once (UserError on ``seq_id``) instead of
             being held: nothing the SDK sends gets that far ahead, and held requests cost memory.
-        gap_error: ``(model_id, seq_id, missing_seq_id) -> exception | None``: the failure of a
-            request whose predecessor never arrived; None (or no callable) gives the default
-            UserError on ``seq_id`` (the trainer answers "server" when the gap is work lost
-            in a trainer crash, see ``TrainerFunction._gap_error``).
-        owner_of: ``(model_id) -> str | None``, the owner id (API key) of a run, for the fair
-            fill (:meth:`fill`); a run without one counts as its own owner. The trainer passes
-            :meth:`functions.trainer.runs.RunTable.owner`.
+        fused_optims: the ready ``optim_step``s of several runs of one base model go out as one
+            "optims" work (one fused update); False: each is a single.
+        policy: the batching policy (default: :class:`PackPolicy` with its defaults).
         pass_token_budget: most tokens per packed pass, filled round-robin over owners
             (:meth:`fill`); 0 = no budget (every ready request goes in).
 
     Attributes:
-        passes: packed passes started. deferred: ready requests left for a later pass by the
+        passes: packed passes handed out. deferred: ready requests left for a later pass by the
         budget. pass_log: the last 256 passes, each a list of ``(model_id, seq_id, after_pass)``
         (tests and debugging; the same goes into the ``trainer pass`` span's ``openrl.pass.items``).
+        optim_batches: fused optimizer batches handed out.
     """
 
-    def __init__(self, run_packed: Callable[[list[Pending]], Awaitable[list]], run_single: Callable[[Pending], Awaitable],
-                 group_of: Callable[[str], str], *, gap_timeout_s: float = 300.0, window_s: float = 0.002,
-                 keep_done: int = 64, max_ahead: int = 10_000,
-                 on_pass: Callable[[list[Pending], float], None] | None = None,
-                 gap_error: Callable[[str, int, int], BaseException | None] | None = None,
-                 run_optims: Callable[[list[Pending]], Awaitable[list]] | None = None,
-                 policy: PackPolicy | None = None,
-                 owner_of: Callable[[str], str | None] | None = None, pass_token_budget: int = 0):
-        self.owner_of = owner_of
+    def __init__(self, directory: RunDirectory, *, cursor: RunCursor | None = None, gap_timeout_s: float = 300.0,
+                 window_s: float = 0.002, max_ahead: int = 10_000, fused_optims: bool = True,
+                 policy: PackPolicy | None = None, pass_token_budget: int = 0):
+        self.directory = directory
+        self.cursor = cursor if cursor is not None else RunCursor()
         self.pass_token_budget = int(pass_token_budget)
         self.deferred = 0
         self.pass_log: deque[list[tuple[str, int, int]]] = deque(maxlen=256)
-        self.run_packed, self.run_single, self.group_of = run_packed, run_single, group_of
-        self.run_optims = run_optims
+        self.fused_optims = bool(fused_optims)
         self.policy = policy if policy is not None else PackPolicy()
         self._hold_until: float | None = None
-        self.on_pass = on_pass
-        self.gap_error = gap_error
-        self.gap_timeout_s, self.window_s, self.keep_done = gap_timeout_s, window_s, keep_done
+        self.gap_timeout_s, self.window_s = gap_timeout_s, window_s
         self.max_ahead = max_ahead
-        self.runs: dict[str, RunQueue] = {}
+        self._pending: dict[str, dict[int, Pending]] = {}  # model_id -> seq_id -> request
         self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self.passes = 0  # packed passes run (for metrics/tests)
+        self._works: AsyncIterator[Work] | None = None
+        self.passes = 0  # packed passes handed out (for metrics/tests)
         self.packed_runs_last = 0
-        self.optim_batches = 0  # fused optim_step updates run
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-
-    def queue(self, model_id: str) -> RunQueue:
-        return self.runs.setdefault(model_id, RunQueue())
+        self.optim_batches = 0  # fused optim_step updates handed out
 
     def forget(self, model_id: str) -> None:
         """Drop a run's ordering state (unloaded)."""
-        self.runs.pop(model_id, None)
+        self._pending.pop(model_id, None)
+        self.cursor.forget(model_id)
         self.policy.forget(model_id)
 
     def reset(self, model_id: str, next_seq: int = 1) -> None:
-        """(Re)start ordering of a run at ``next_seq`` (after create / restore)."""
-        q = self.queue(model_id)
-        q.next_seq = next_seq
+        """(Re)start ordering of a run at ``next_seq`` (after a create)."""
+        self.cursor.reset(model_id, next_seq)
+
+    def waiting(self, model_id: str) -> int:
+        """Requests of the run held here (waiting for their turn or running)."""
+        return len(self._pending.get(model_id, ()))
 
     async def submit(self, model_id: str, seq_id: int, op: str, payload: Any) -> Any:
-        """Wait for the run's turn, run the request, return its result.
+        """Wait for the run's turn, let the trainer's loop run the request, return its result.
 
         Raises:
             UserError: the seq_id's predecessor never arrived (gap timeout), the seq_id
-                is more than ``max_ahead`` past the run's next one, or the same seq_id is
-                already waiting with different content.
+                is more than ``max_ahead`` past the run's next one, or was already applied.
+            ServerError: the predecessor was lost with a trainer that died unflushed
+                (:meth:`RunCursor.gap_error`).
         """
-        known = self.runs.get(model_id)
-        if known is not None and seq_id > known.next_seq + self.max_ahead:
+        cur = self.cursor
+        if cur.known(model_id) and seq_id > cur.next_seq(model_id) + self.max_ahead:
             raise UserError("seq_id", f"seq_id {seq_id} is more than {self.max_ahead} ahead of the next expected "
-                            f"seq_id {known.next_seq} of {model_id}")
-        q = self.queue(model_id)
-        if seq_id < q.next_seq:
-            if seq_id in q.done:
-                return q.done[seq_id]
+                            f"seq_id {cur.next_seq(model_id)} of {model_id}")
+        if not cur.known(model_id):
+            cur.reset(model_id, 1)
+        if seq_id < cur.next_seq(model_id):
+            found, result = cur.result(model_id, seq_id)
+            if found:
+                return result
             raise UserError("seq_id", f"seq_id {seq_id} of {model_id} was already applied")
-        if seq_id in q.pending:
-            return await asyncio.shield(q.pending[seq_id].future)
+        q = self._pending.setdefault(model_id, {})
+        if seq_id in q:
+            return await asyncio.shield(q[seq_id].future)
         fut = asyncio.get_running_loop().create_future()
-        q.pending[seq_id] = Pending(model_id, seq_id, op, payload, fut,
-                                    tokens=request_tokens(payload) if op in PACKABLE else 0, after_pass=self.passes)
+        q[seq_id] = Pending(model_id, seq_id, op, payload, fut,
+                            tokens=request_tokens(payload) if op in PACKABLE else 0, after_pass=self.passes)
         if op in PACKABLE:
-            group = self.group_of(model_id)
-            overlap = any(r.pending for m, r in self.runs.items() if m != model_id and self.group_of(m) == group)
+            group = self.directory.group_of(model_id)
+            overlap = any(r for m, r in self._pending.items() if m != model_id and self.directory.group_of(m) == group)
             self.policy.arrived(model_id, group, time.monotonic(), overlap)
         elif op == "save_weights_for_sampler":  # the run goes off to sample: passes stop waiting for it
             self.policy.sampling(model_id)
@@ -311,97 +325,62 @@ class Scheduler:
         return await fut
 
     def _ready(self) -> tuple[dict[str, list[list[Pending]]], list[Pending]]:
+        """Per packing group, each run's ready prefix of forward(_backward)s; and the ready
+        heads that are other ops. Requests handed out and not finished yet are not ready; a
+        request that waited past the gap timeout for its predecessor fails here."""
         packs: dict[str, list[list[Pending]]] = {}
         singles: list[Pending] = []
         now = time.monotonic()
-        for mid, q in self.runs.items():
-            if q.next_seq in q.pending:
-                first = q.pending[q.next_seq]
+        for mid, q in self._pending.items():
+            nxt = self.cursor.next_seq(mid)
+            first = q.get(nxt)
+            if first is not None:
+                if first.dispatched:
+                    continue
                 if first.op in PACKABLE:
-                    run, s = [], q.next_seq
-                    while s in q.pending and q.pending[s].op in PACKABLE:
-                        run.append(q.pending[s])
+                    run, s = [], nxt
+                    while s in q and q[s].op in PACKABLE and not q[s].dispatched:
+                        run.append(q[s])
                         s += 1
-                    packs.setdefault(self.group_of(mid), []).append(run)
+                    packs.setdefault(self.directory.group_of(mid), []).append(run)
                 else:
                     singles.append(first)
             else:
-                for p in list(q.pending.values()):
+                for p in list(q.values()):
                     if now - p.arrived > self.gap_timeout_s:
-                        del q.pending[p.seq_id]
+                        del q[p.seq_id]
                         if not p.future.done():
-                            exc = None
-                            if self.gap_error is not None:
-                                try:
-                                    exc = self.gap_error(mid, p.seq_id, q.next_seq)
-                                except Exception as e:  # noqa: BLE001 - never leave the request hanging
-                                    exc = e
-                            p.future.set_exception(exc or UserError(
-                                "seq_id", f"seq_id {p.seq_id} waited {self.gap_timeout_s:.0f}s for seq_id "
-                                f"{q.next_seq} of {mid}, which never arrived"))
+                            p.future.set_exception(self.cursor.gap_error(mid, p.seq_id, self.gap_timeout_s))
         return packs, singles
 
-    def _finish(self, p: Pending, result: Any = None, exc: BaseException | None = None) -> None:
-        q = self.queue(p.model_id)
-        q.pending.pop(p.seq_id, None)
-        if p.seq_id == q.next_seq:
-            q.next_seq += 1
-        if exc is None:
-            q.done[p.seq_id] = result
-            while len(q.done) > self.keep_done:
-                q.done.popitem(last=False)
+    def _finish_one(self, p: Pending, result: Any = None, exc: BaseException | None = None) -> None:
+        q = self._pending.get(p.model_id)
+        if q is not None and q.get(p.seq_id) is p:
+            del q[p.seq_id]
+        self.cursor.finish(p.model_id, p.seq_id, result, ok=exc is None)
         if not p.future.done():
             if exc is not None:
                 p.future.set_exception(exc)
             else:
                 p.future.set_result(result)
 
-    def _account(self, items: list[Pending], seconds: float) -> None:
-        """Report one pass (``seconds`` of wall time, one at a time on the device) to ``on_pass``."""
-        if self.on_pass is not None:
-            try:
-                self.on_pass(items, seconds)
-            except Exception:  # noqa: BLE001 - metrics never fail a request
-                pass
-
-    async def _run_singles(self, singles: list[Pending]) -> None:
-        """Run ready non-packable requests: the optim_steps of one base model together (when
-        ``run_optims`` is set), the others one at a time."""
-        optims: dict[str, list[Pending]] = {}
-        others = []
-        for p in singles:
-            if p.op == "optim_step" and self.run_optims is not None:
-                optims.setdefault(self.group_of(p.model_id), []).append(p)
+    def finish(self, work: Work, results: list[Any] | BaseException) -> None:
+        """Resolve ``work``: ``results`` aligns with ``work.items`` (a result, or the exception
+        of that request), or is one exception for all. Each request's future gets its outcome
+        and its run's cursor moves past it; the planner wakes up for what is ready now."""
+        if isinstance(results, BaseException):
+            results = [results] * len(work.items)
+        if len(results) != len(work.items):
+            results = [RuntimeError(f"{len(results)} results for {len(work.items)} requests")] * len(work.items)
+        for p, r in zip(work.items, results):
+            if isinstance(r, BaseException):
+                self._finish_one(p, exc=r)
             else:
-                others.append(p)
-
-        async def one(p: Pending) -> None:
-            t0 = time.perf_counter()
-            try:
-                with metrics.busy_clock("trainer").job():  # openrl_busy_seconds_total
-                    r = await self.run_single(p)
-                self._finish(p, r)
-            except Exception as exc:  # noqa: BLE001 - the failure belongs to this request
-                self._finish(p, exc=exc)
-            self._account([p], time.perf_counter() - t0)
-
-        # one request per run at most (each run's head): different runs' saves / loads run at
-        # once (their engine work is serialised by the caller's lock, their I/O overlaps)
-        await asyncio.gather(*(one(p) for p in others))
-        for group in optims.values():
-            self.optim_batches += 1
-            t0 = time.perf_counter()
-            try:
-                with metrics.busy_clock("trainer").job():
-                    results = await self.run_optims(group)
-            except Exception as exc:  # noqa: BLE001
-                results = [exc] * len(group)
-            self._account(group, time.perf_counter() - t0)
-            for p, r in zip(group, results):
-                self._finish(p, exc=r) if isinstance(r, BaseException) else self._finish(p, r)
+                self._finish_one(p, r)
+        self._wake.set()
 
     def _owner(self, model_id: str) -> str:
-        owner = self.owner_of(model_id) if self.owner_of is not None else None
+        owner = self.directory.owner(model_id)
         return owner or f"run:{model_id}"
 
     def fill(self, group: list[list[Pending]]) -> list[list[Pending]]:
@@ -446,34 +425,30 @@ class Scheduler:
         self.deferred += sum(len(run) - k for run, k in zip(group, taken))
         return [run[:k] for run, k in zip(group, taken) if k]
 
-    async def _run_pass(self, group: list[list[Pending]]) -> None:
-        items = [p for run in group for p in run]
-        self.passes += 1
-        self.packed_runs_last = len(group)
-        metrics.PACKED_RUNS.observe(len(group))
-        self.pass_log.append([(p.model_id, p.seq_id, p.after_pass) for p in items])
-        t0 = time.perf_counter()
-        try:
-            with tracing.span("trainer pass", attributes={
-                    "openrl.pass.index": self.passes, "openrl.pass.runs": len(group),
-                    "openrl.pass.tokens": sum(p.tokens for p in items),
-                    "openrl.pass.items": json.dumps([[p.model_id, p.seq_id, p.after_pass, p.tokens,
-                                                      self._owner(p.model_id)] for p in items[:512]])}):
-                with metrics.busy_clock("trainer").job():
-                    results = await self.run_packed(items)
-        except Exception as exc:  # noqa: BLE001
-            for p in items:
-                self._finish(p, exc=exc)
-            return
-        finally:
-            self._account(items, time.perf_counter() - t0)
-        for p, r in zip(items, results):
-            if isinstance(r, BaseException):
-                self._finish(p, exc=r)
-            else:
-                self._finish(p, r)
+    def _dispatch(self, kind: str, items: list[Pending], group: str | None = None, index: int = 0) -> Work:
+        for p in items:
+            p.dispatched = True
+        return Work(kind, items, group, index)
 
-    async def _loop(self) -> None:
+    def _pass(self, gkey: str, chosen: list[list[Pending]]) -> Work:
+        items = [p for run in chosen for p in run]
+        self.passes += 1
+        self.packed_runs_last = len(chosen)
+        metrics.PACKED_RUNS.observe(len(chosen))
+        self.pass_log.append([(p.model_id, p.seq_id, p.after_pass) for p in items])
+        return self._dispatch("pass", items, gkey, self.passes)
+
+    async def next_work(self) -> Work:
+        """The next work to run, when there is some. The caller runs it and calls
+        :meth:`finish` before asking again (:func:`run_works`); work is planned in rounds:
+        the ready singles, then each base model's ready optim_steps, then (after those, so the
+        runs they unblock join) each base model's packed pass, unless :class:`PackPolicy` holds
+        it for runs that are due."""
+        if self._works is None:
+            self._works = self._plan()
+        return await self._works.__anext__()
+
+    async def _plan(self) -> AsyncIterator[Work]:
         while True:
             timeout = 1.0
             if self._hold_until is not None:
@@ -486,7 +461,18 @@ class Scheduler:
             if self.window_s:
                 await asyncio.sleep(self.window_s)
             _, singles = self._ready()
-            await self._run_singles(singles)
+            optims: dict[str, list[Pending]] = {}
+            others: list[Pending] = []
+            for p in singles:
+                if p.op == "optim_step" and self.fused_optims:
+                    optims.setdefault(self.directory.group_of(p.model_id), []).append(p)
+                else:
+                    others.append(p)
+            if others:  # one request per run at most (each run's head)
+                yield self._dispatch("singles", others)
+            for gkey, group in optims.items():
+                self.optim_batches += 1
+                yield self._dispatch("optims", group, gkey)
             packs, _ = self._ready()  # after the optim_steps: their runs' next passes may be ready
             self._hold_until = None
             ran = bool(singles)
@@ -497,7 +483,21 @@ class Scheduler:
                     self._hold_until = until if self._hold_until is None else min(self._hold_until, until)
                     continue
                 self.policy.ran(gkey)
-                await self._run_pass(self.fill(group))
+                yield self._pass(gkey, self.fill(group))
                 ran = True
             if ran:
                 self._wake.set()
+
+
+async def run_works(scheduler: Scheduler, execute: Callable[[Work], Awaitable[list[Any]]]) -> None:
+    """The trainer's loop: forever take :meth:`Scheduler.next_work`, run it with ``execute``
+    (results aligned with ``work.items``, an exception per failed request), and resolve it
+    with :meth:`Scheduler.finish`; an exception out of ``execute`` fails every request of
+    that work. Cancel the task running it to stop."""
+    while True:
+        work = await scheduler.next_work()
+        try:
+            results = await execute(work)
+        except Exception as exc:  # noqa: BLE001 - the failure belongs to this work's requests
+            results = exc
+        scheduler.finish(work, results)

@@ -432,7 +432,7 @@ def test_restore_waits_for_the_previous_trainers_final_flush(models_dir, tmp_pat
         await old.stop()  # final flush at cursor 4
         result = await asyncio.wait_for(task, timeout=20)
         assert events.data_json(result)["metrics"]["grad_norm:mean"] > 0  # seq 3's gradients were there
-        assert new.durable.flushed[MID] == 4 and new.scheduler.runs[MID].next_seq == 5
+        assert new.durable.flushed[MID] == 4 and new.scheduler.cursor.next_seq(MID) == 5
         await new.stop()
 
     asyncio.run(main())

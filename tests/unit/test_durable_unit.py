@@ -1,5 +1,5 @@
 """The trainer's run-state durability on its own: ``RunDurability`` with a real engine on the
-tiny model, a real scheduler and ``file://`` storage in a temp dir (no NATS, no worker, no
+tiny model, a real run cursor and ``file://`` storage in a temp dir (no NATS, no worker, no
 gateway). The end-to-end version (SIGTERM a trainer process, resume through the SDK) is
 tests/stack/test_trainer_resume.py.
 """
@@ -14,8 +14,8 @@ import torch
 
 from functions.trainer.durable import RunDurability, decode_result, encode_result, lora_spec
 from functions.trainer.engine import Datum, FwdBwdItem, TrainerEngine
+from functions.trainer.cursor import RunCursor
 from functions.trainer.runs import RunTable
-from functions.trainer.scheduler import Scheduler
 from openrl.model.registry import ModelRegistry
 from openrl.storage import FileStorage, RunStateConflict
 
@@ -36,11 +36,8 @@ class Trainer:
         self.runs = RunTable()
         self.lock = asyncio.Lock()
 
-        async def never(*_):  # the scheduler's task is not started: only its run queues are used
-            raise AssertionError("no request runs in these tests")
-
-        self.scheduler = Scheduler(never, never, self.runs.group_of)
-        self.durable = RunDurability(storage, self.runs, self.scheduler, engines=self.engines,
+        self.cursor = RunCursor()  # the scheduler's (no request runs in these tests)
+        self.durable = RunDurability(storage, self.runs, self.cursor, engines=self.engines,
                                      load_engine=self.load_engine, engine_lock=self.lock, interval_s=interval_s)
 
     def load_engine(self, name: str) -> str:
@@ -55,7 +52,7 @@ class Trainer:
         eng = self.engines[key]
         eng.create_run(model_id, lora_spec({"rank": 4, "seed": seed}))
         self.runs.add(model_id, key, {"base_model": BASE, "lora_config": {"rank": 4, "seed": seed}})
-        self.scheduler.reset(model_id, 1)
+        self.cursor.reset(model_id, 1)
         return eng
 
 
@@ -90,7 +87,7 @@ async def test_cursor_and_dirty_follow_the_scheduler(base_dir, tmp_path):
     assert d.cursor("run-a") == 1 and d.dirty("run-a")  # never flushed
     assert await d.flush_run("run-a")
     assert not d.dirty("run-a") and await d.flush_all(final=False) == []  # nothing changed: no flush
-    t.scheduler.runs["run-a"].next_seq = 3  # two requests applied
+    t.cursor.reset("run-a", 3)  # two requests applied
     assert d.dirty("run-a") and await d.flush_all(final=False) == ["run-a"]
     d.begin("run-a", 3)
     d.begin("run-a", 4)
@@ -105,8 +102,7 @@ async def test_flush_then_restore_in_another_trainer(base_dir, tmp_path):
     a = Trainer(base_dir, store)
     eng = a.create("run-b", seed=2)
     _step(eng, "run-b")
-    a.scheduler.runs["run-b"].next_seq = 3
-    a.scheduler.runs["run-b"].done[2] = {"metrics": {"x": 1.0}}
+    a.cursor.reset("run-b", 3, {2: {"metrics": {"x": 1.0}}})
     a.durable.begin("run-b", 2)  # answered but its handler not returned yet: its result is kept
     assert await a.durable.flush_run("run-b", final=True)
     before = _adapter(eng, "run-b")
@@ -115,12 +111,33 @@ async def test_flush_then_restore_in_another_trainer(base_dir, tmp_path):
     assert "run-b" not in b.runs
     assert await b.durable.restore("run-b", 3)
     assert b.runs.meta("run-b")["base_model"] == BASE
-    assert b.scheduler.runs["run-b"].next_seq == 3
-    assert b.scheduler.runs["run-b"].done.get(2) == {"metrics": {"x": 1.0}}
+    assert b.cursor.next_seq("run-b") == 3
+    assert b.cursor.result("run-b", 2) == (True, {"metrics": {"x": 1.0}})
     after = _adapter(b.engines[str(base_dir)], "run-b")
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert "run-b" not in b.durable.crash_restored  # a final flush: nothing can have been lost
+    assert b.cursor.lost_at("run-b") is None  # a final flush: nothing can have been lost
+
+
+async def test_restore_from_a_periodic_flush_marks_the_gap_as_lost(base_dir, tmp_path):
+    """A restore from a periodic (not final) flush at cursor N: a request whose predecessor N
+    never comes fails with category "server" (the dead trainer's unflushed work is gone); once
+    the run moved past N, a gap is the client's again ("user")."""
+    from openrl.errors import ServerError, UserError
+
+    store = FileStorage(tmp_path / "store")
+    a = Trainer(base_dir, store)
+    a.create("run-p", seed=5)
+    a.cursor.reset("run-p", 2)
+    assert await a.durable.flush_run("run-p", final=False)
+    b = Trainer(base_dir, store)
+    assert await b.durable.restore("run-p", 2)
+    assert b.cursor.lost_at("run-p") == 2
+    err = b.cursor.gap_error("run-p", 4, 300)
+    assert isinstance(err, ServerError) and "seq_id 2" in str(err)
+    b.cursor.finish("run-p", 2, {})
+    err = b.cursor.gap_error("run-p", 5, 300)
+    assert isinstance(err, UserError) and err.field == "seq_id"
 
 
 async def test_restore_of_an_unknown_run_is_false(base_dir, tmp_path):
@@ -137,9 +154,9 @@ async def test_two_trainers_flushing_one_run_conflict(base_dir, tmp_path):
     assert await a.durable.flush_run("run-c")
     b = Trainer(base_dir, store)
     assert await b.durable.restore("run-c", 1)
-    b.scheduler.runs["run-c"].next_seq = 2
+    b.cursor.reset("run-c", 2)
     assert await b.durable.flush_run("run-c")  # b moved the pointer
-    a.scheduler.runs["run-c"].next_seq = 2
+    a.cursor.reset("run-c", 2)
     with pytest.raises(RunStateConflict):
         await a.durable.flush_run("run-c")
 

@@ -1,8 +1,9 @@
 """The trainer's scheduler and batching policy, on their own (no model, no NATS).
 
-``run_packed`` / ``run_optims`` are recording stand-ins for the engine: these tests check
-which requests the scheduler puts together and in which order, not the numerics (those are
-in test_cobatch.py and test_optim_fused.py).
+The scheduler plans and the trainer's loop (``run_works``) executes: ``Recorder.execute`` is
+a recording stand-in for the trainer's executor (passes, fused optim batches, singles); these
+tests check which requests the scheduler puts together and in which order, not the numerics
+(those are in test_cobatch.py and test_optim_fused.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,17 @@ import time
 
 import pytest
 
-from functions.trainer.scheduler import PackPolicy, Scheduler
+from functions.trainer.scheduler import PackPolicy, Scheduler, Work, run_works
+
+
+class OneBase:
+    """A run directory whose runs all share one base model and have no owner."""
+
+    def group_of(self, model_id: str) -> str:
+        return "base"
+
+    def owner(self, model_id: str) -> None:
+        return None
 
 
 class Recorder:
@@ -22,6 +33,13 @@ class Recorder:
         self.optims: list[list[str]] = []
         self.singles: list[tuple[str, int, str]] = []
         self.pass_s = pass_s
+
+    async def execute(self, work: Work) -> list:
+        if work.kind == "pass":
+            return await self.packed(work.items)
+        if work.kind == "optims":
+            return await self.optims_(work.items)
+        return list(await asyncio.gather(*(self.single(p) for p in work.items)))
 
     async def packed(self, items):
         self.passes.append([(p.model_id, p.seq_id) for p in items])
@@ -38,11 +56,24 @@ class Recorder:
         return [f"opt{p.model_id}:{p.seq_id}" for p in items]
 
 
-def make(rec: Recorder, max_delay_s: float = 0.3, fused: bool = True) -> Scheduler:
-    s = Scheduler(rec.packed, rec.single, lambda mid: "base", window_s=0.001,
-                  run_optims=rec.optims_ if fused else None, policy=PackPolicy(max_delay_s=max_delay_s))
-    s.start()
-    return s
+class Running:
+    """A scheduler with its loop (``run_works``) running on ``execute``; ``stop()`` cancels the
+    loop; everything else is the scheduler's."""
+
+    def __init__(self, scheduler: Scheduler, execute):
+        self.scheduler = scheduler
+        self.task = asyncio.get_running_loop().create_task(run_works(scheduler, execute))
+
+    def __getattr__(self, name):
+        return getattr(self.scheduler, name)
+
+    async def stop(self) -> None:
+        self.task.cancel()
+
+
+def make(rec: Recorder, max_delay_s: float = 0.3, fused: bool = True) -> Running:
+    s = Scheduler(OneBase(), window_s=0.001, fused_optims=fused, policy=PackPolicy(max_delay_s=max_delay_s))
+    return Running(s, rec.execute)
 
 
 async def _loop_of_steps(s: Scheduler, mid: str, steps: int, think_s: float, jitter_s: float):
@@ -178,20 +209,20 @@ async def test_optim_steps_without_fusion_run_one_by_one():
 
 
 async def test_failed_fused_optim_fails_only_its_run():
-    """run_optims answers per run: an exception for one run fails that future only."""
+    """An optims work is answered per run: an exception for one run fails that future only."""
     rec = Recorder()
 
     async def optims(items):
         return [ValueError("bad") if p.model_id == "b" else "ok" for p in items]
 
-    s = Scheduler(rec.packed, rec.single, lambda mid: "base", window_s=0.001, run_optims=optims)
-    s.start()
+    rec.optims_ = optims
+    s = make(rec)
     try:
         res = await asyncio.gather(*(s.submit(m, 1, "optim_step", {}) for m in "abc"), return_exceptions=True)
     finally:
         await s.stop()
     assert res[0] == "ok" and res[2] == "ok" and isinstance(res[1], ValueError)
-    assert s.runs["b"].next_seq == 2  # the failed request still moved the run's cursor
+    assert s.cursor.next_seq("b") == 2  # the failed request still moved the run's cursor
 
 
 def test_policy_delay_adapts_to_measured_lag():

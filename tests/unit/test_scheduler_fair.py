@@ -1,7 +1,7 @@
 """Fair sharing of one packed pass between API keys (issue 17 item 5): the scheduler's
 per-pass token budget, filled round-robin over owners, then runs.
 
-``run_packed`` is a recording stand-in for the engine (as in test_scheduler.py): these tests
+The executor is a recording stand-in for the trainer's (as in test_scheduler.py): these tests
 check which requests go into which pass, never timings.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from functions.trainer.scheduler import PackPolicy, Pending, Scheduler, request_tokens
+from functions.trainer.scheduler import PackPolicy, Pending, Scheduler, Work, request_tokens, run_works
 
 
 def _payload(tokens: int):
@@ -22,11 +22,21 @@ def _pending(mid: str, seq: int, tokens: int, arrived: float) -> Pending:
     return Pending(mid, seq, "forward_backward", None, None, arrived=arrived, tokens=tokens)  # fill() never reads the future
 
 
-def _sched(owners: dict[str, str], budget: int) -> Scheduler:
-    async def nothing(items):  # never called by fill()
-        raise AssertionError
+class Owners:
+    """A run directory: every run on one base model, owned as ``owners`` says."""
 
-    return Scheduler(nothing, nothing, lambda mid: "base", owner_of=owners.get, pass_token_budget=budget)
+    def __init__(self, owners: dict[str, str]):
+        self.owners = owners
+
+    def group_of(self, model_id: str) -> str:
+        return "base"
+
+    def owner(self, model_id: str) -> str | None:
+        return self.owners.get(model_id)
+
+
+def _sched(owners: dict[str, str], budget: int) -> Scheduler:
+    return Scheduler(Owners(owners), pass_token_budget=budget)  # fill() only: nothing runs
 
 
 def _chosen(out):
@@ -106,13 +116,12 @@ async def test_small_run_of_another_key_goes_into_the_next_pass_while_one_key_fl
         await release.wait()
         return [f"fb{p.model_id}:{p.seq_id}" for p in items]
 
-    async def single(p):
-        return "single"
+    async def execute(work: Work) -> list:
+        return await packed(work.items) if work.kind == "pass" else ["single"] * len(work.items)
 
     owners = {"a": "key-A", "b": "key-B"}
-    s = Scheduler(packed, single, lambda mid: "base", window_s=0.001, owner_of=owners.get,
-                  pass_token_budget=4000, policy=PackPolicy(max_delay_s=0))
-    s.start()
+    s = Scheduler(Owners(owners), window_s=0.001, pass_token_budget=4000, policy=PackPolicy(max_delay_s=0))
+    loop = asyncio.get_running_loop().create_task(run_works(s, execute))
     try:
         flood = [asyncio.create_task(s.submit("a", k, "forward_backward", _payload(1000))) for k in range(1, 41)]
         await started.wait()  # A's first pass is running (and holds the device)
@@ -124,7 +133,7 @@ async def test_small_run_of_another_key_goes_into_the_next_pass_while_one_key_fl
         results = await asyncio.gather(*flood)
         assert results == [f"fba:{k}" for k in range(1, 41)]
     finally:
-        await s.stop()
+        loop.cancel()
     b_pass = next(i for i, ps in enumerate(passes, 1) if any(m == "b" for m, _, _ in ps))
     assert b_pass == first_pass + 1, passes  # the next pass after B's arrival
     b_items = [p for ps in s.pass_log for p in ps if p[0] == "b"]
