@@ -18,6 +18,7 @@ import numpy as np
 from functions.gateway.context import Gateway, require
 from functions.gateway.runs import readable_manifest
 from openrl.contract import payloads
+from openrl.contract.sample_limits import check_sample_size
 from openrl.errors import ServerError, UserError
 from openrl.storage import TinkerPath
 from openrl.transport.bus import SAMPLE_STREAM
@@ -89,29 +90,18 @@ async def submit_sample(g: Gateway, target: SampleTarget, owner: str, request_id
         ``min(max_tokens_limit, context - len(prompt))``.
 
     Raises:
-        UserError: ``num_samples``, ``sampling_params.max_tokens``, ``prompt`` / ``prompt.chunks``
-            out of range for the model (400 naming the field).
+        UserError: ``num_samples``, ``sampling_params.max_tokens`` or ``prompt.chunks`` out of
+            range for the model (400 naming the field; :func:`openrl.contract.sample_limits.check_sample_size`).
         Overloaded / QuotaExceeded: backpressure or the key's quota (429).
     """
     s = g.settings
     tokens = req["prompt_tokens"]
     n = req.get("num_samples", 1)
-    require(1 <= n <= s.max_num_samples, "num_samples", f"must be between 1 and {s.max_num_samples}")
     params = dict(req.get("sampling_params") or {})
-    mt = params.get("max_tokens")
-    require(mt is None or 1 <= mt <= s.max_tokens_limit, "sampling_params.max_tokens",
-            f"must be between 1 and {s.max_tokens_limit}")
-    require(len(tokens) > 0, "prompt", "the prompt has no tokens")
-    vocab = g.vocab_size(target.base_model)
-    bad = [t for t in tokens if t < 0 or t >= vocab]
-    require(not bad, "prompt.chunks", f"token id {bad[:1]} outside the vocabulary [0, {vocab})")
-    ctx = g.registry.resolve(target.base_model).max_context_length
-    require(len(tokens) < ctx, "prompt",
-            f"prompt ({len(tokens)} tokens) leaves no room to generate in the model's context of {ctx}")
-    require(len(tokens) + (mt or 0) <= ctx, "sampling_params.max_tokens",
-            f"prompt ({len(tokens)} tokens) + max_tokens ({mt}) exceed the model's context of {ctx}")
-    if mt is None:
-        mt = min(s.max_tokens_limit, ctx - len(tokens))
+    # the sampler's engine runs the same check against the loaded model (openrl/contract/sample_limits.py)
+    mt = check_sample_size(tokens, n, params.get("max_tokens"), vocab_size=g.vocab_size(target.base_model),
+                           max_context=g.registry.resolve(target.base_model).max_context_length,
+                           max_num_samples=s.max_num_samples, max_tokens_cap=s.max_tokens_limit)
     await g.admit(SAMPLE_STREAM, request_id, owner=owner, op="sample",
                   tokens=len(tokens) + n * mt)  # tokens_per_min: the most it can use
     data = {**req, "base_model": target.base_model, "model_path": target.model_path,

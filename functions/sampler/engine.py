@@ -42,6 +42,7 @@ from functions.sampler.types import (
     SamplerBackend,
     TopK,
 )
+from openrl.contract.sample_limits import check_sample_size
 from openrl.errors import ServerError, UserError
 
 log = logging.getLogger(__name__)
@@ -174,38 +175,11 @@ class SamplerEngine:
         """
         lim = self.limits
         prompt = job.prompt
-        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
-            raise UserError("prompt.chunks", "the prompt must hold at least one token")
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < lim.vocab_size:
-                raise UserError(
-                    "prompt.chunks",
-                    f"token id {t!r} is outside the vocabulary [0, {lim.vocab_size})",
-                )
+        # the gateway runs the same check before it publishes (openrl/contract/sample_limits.py)
+        max_tokens = check_sample_size(prompt, job.num_samples, job.max_tokens, vocab_size=lim.vocab_size,
+                                       max_context=lim.max_context, max_num_samples=self.max_num_samples,
+                                       default_max_tokens=self.max_tokens_default, prompt_field="prompt.chunks")
         P = len(prompt)
-        if P >= lim.max_context:
-            raise UserError(
-                "prompt.chunks",
-                f"the prompt has {P} tokens; the model context is {lim.max_context} tokens, "
-                "which leaves no room to generate",
-            )
-        if not _is_int(job.num_samples) or not 1 <= job.num_samples <= self.max_num_samples:
-            raise UserError(
-                "num_samples", f"must be an integer in [1, {self.max_num_samples}], got {job.num_samples!r}"
-            )
-        room = lim.max_context - P
-        if job.max_tokens is None:
-            max_tokens = room if self.max_tokens_default is None else min(self.max_tokens_default, room)
-        else:
-            if not _is_int(job.max_tokens) or job.max_tokens < 1:
-                raise UserError("sampling_params.max_tokens", f"must be an integer >= 1, got {job.max_tokens!r}")
-            if job.max_tokens > room:
-                raise UserError(
-                    "sampling_params.max_tokens",
-                    f"prompt ({P} tokens) + max_tokens ({job.max_tokens}) exceeds the model "
-                    f"context of {lim.max_context} tokens",
-                )
-            max_tokens = int(job.max_tokens)
         if not _is_real(job.temperature) or job.temperature < 0:
             raise UserError("sampling_params.temperature", f"must be a finite number >= 0, got {job.temperature!r}")
         if not _is_real(job.top_p) or not 0 < job.top_p <= 1:
