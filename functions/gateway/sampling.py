@@ -90,7 +90,8 @@ async def submit_sample(g: Gateway, target: SampleTarget, owner: str, request_id
         ``min(max_tokens_limit, context - len(prompt))``.
 
     Raises:
-        UserError: ``num_samples``, ``sampling_params.max_tokens`` or ``prompt.chunks`` out of
+        UserError: ``num_samples``, ``sampling_params.max_tokens``, ``prompt`` (empty, or no room
+            left in the context) or ``prompt.chunks`` (an id outside the vocabulary) out of
             range for the model (400 naming the field; :func:`openrl.contract.sample_limits.check_sample_size`).
         Overloaded / QuotaExceeded: backpressure or the key's quota (429).
     """

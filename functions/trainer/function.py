@@ -382,13 +382,17 @@ class TrainerFunction:
         return {"model_id": model_id, "type": "unload_model"}
 
     def _account(self, items: list[Pending], seconds: float) -> None:
-        """Usage metrics of one scheduler pass: tokens per op and device seconds per owner."""
+        """Usage metrics of one scheduler work: tokens per op and device seconds per owner.
+        Never raises: metrics never fail a request."""
         from openrl.observe import metrics
 
-        work = [(self.runs.owner(p.model_id), p.op,
-                 sum(len(d.tokens) for d in p.payload.data) if p.op in ("forward", "forward_backward") else 0)
-                for p in items]
-        metrics.record_trained(work, seconds)
+        try:
+            work = [(self.runs.owner(p.model_id), p.op,
+                     sum(len(d.tokens) for d in p.payload.data) if p.op in ("forward", "forward_backward") else 0)
+                    for p in items]
+            metrics.record_trained(work, seconds)
+        except Exception:  # noqa: BLE001
+            log.exception("usage accounting failed")
 
     # ----- execution (the one loop: scheduler.next_work -> _execute -> scheduler.finish) ------
     async def _execute(self, work: Work) -> list:
@@ -427,7 +431,7 @@ class TrainerFunction:
                     "openrl.pass.index": work.index, "openrl.pass.runs": work.runs,
                     "openrl.pass.tokens": sum(p.tokens for p in items),
                     "openrl.pass.items": json.dumps([[p.model_id, p.seq_id, p.after_pass, p.tokens,
-                                                      self.runs.owner(p.model_id) or f"run:{p.model_id}"]
+                                                      self.scheduler.owner_key(p.model_id)]
                                                      for p in items[:512]])}):
                 with busy.job():
                     return await self._run_packed(items)

@@ -285,10 +285,6 @@ class Scheduler:
         """(Re)start ordering of a run at ``next_seq`` (after a create)."""
         self.cursor.reset(model_id, next_seq)
 
-    def waiting(self, model_id: str) -> int:
-        """Requests of the run held here (waiting for their turn or running)."""
-        return len(self._pending.get(model_id, ()))
-
     async def submit(self, model_id: str, seq_id: int, op: str, payload: Any) -> Any:
         """Wait for the run's turn, let the trainer's loop run the request, return its result.
 
@@ -379,7 +375,9 @@ class Scheduler:
                 self._finish_one(p, r)
         self._wake.set()
 
-    def _owner(self, model_id: str) -> str:
+    def owner_key(self, model_id: str) -> str:
+        """The owner a run's requests are filled and reported under: its owner id, else
+        ``run:<model_id>`` (a run without one is its own owner)."""
         owner = self.directory.owner(model_id)
         return owner or f"run:{model_id}"
 
@@ -400,7 +398,7 @@ class Scheduler:
         order = sorted(range(len(group)), key=lambda i: group[i][0].arrived)
         owners: dict[str, deque[int]] = {}
         for i in order:
-            owners.setdefault(self._owner(group[i][0].model_id), deque()).append(i)
+            owners.setdefault(self.owner_key(group[i][0].model_id), deque()).append(i)
         taken = [0] * len(group)
         used, served = 0, set()
         progressed = True

@@ -203,19 +203,14 @@ class LoraRouting:
         cap = self.plan.rank_cap
         blocks: list[Block] = []
         block: list[tuple[int, int, str]] = []
-        block_rank = 0
         for start, end, name in self.segments:
-            if name is None or name not in ranks:
-                if block:
-                    blocks.append((block[0][0], block[-1][1], tuple(block)))
-                    block, block_rank = [], 0
-                blocks.append((start, end, ()))
-                continue
-            if block and block_rank + ranks[name] > cap:
+            if block and (name not in ranks or sum(ranks[n] for _, _, n in block) + ranks[name] > cap):
                 blocks.append((block[0][0], block[-1][1], tuple(block)))
-                block, block_rank = [], 0
-            block.append((start, end, name))
-            block_rank += ranks[name]
+                block = []
+            if name is None or name not in ranks:
+                blocks.append((start, end, ()))
+            else:
+                block.append((start, end, name))
         if block:
             blocks.append((block[0][0], block[-1][1], tuple(block)))
         return tuple(blocks)
