@@ -89,8 +89,17 @@ def make_vllm(model: Path, rows: int, util: float):
                        engine_kwargs={"compilation_config": {"cudagraph_capture_sizes": caps}})
 
 
+def sample_job(prompt, adapter=None, num_samples=1, **params):
+    """A sampling job for ``SamplerEngine.sample``: the ``sample`` payload (prompt token ids,
+    ``adapter`` = its ``model_path`` key or None, ``params`` = its ``sampling_params`` fields)."""
+    from openrl.contract.payloads import Sample, SamplingParams
+
+    return Sample(prompt_tokens=list(prompt), base_model="bench", model_path=adapter, num_samples=num_samples,
+                  sampling_params=SamplingParams(**params))
+
+
 async def run(args) -> None:
-    from functions.sampler.engine import SampleJob, SamplerEngine
+    from functions.sampler.engine import SamplerEngine
 
     model = Path(args.model)
     t0 = time.time()
@@ -110,7 +119,7 @@ async def run(args) -> None:
         out = []
         for i in range(b):
             ad = None if mode == "none" else keys[0] if mode == "one" else keys[i % 8]
-            out.append(SampleJob(prompt=[rng.randrange(lo, hi) for _ in range(64)], max_tokens=new,
+            out.append(sample_job(prompt=[rng.randrange(lo, hi) for _ in range(64)], max_tokens=new,
                                  temperature=temperature, stop=[], adapter=ad))
         return out
 
@@ -129,7 +138,7 @@ async def run(args) -> None:
     p = [rng.randrange(lo, hi) for _ in range(32)]
     outs = {}
     for ad in (None, keys[0], keys[1]):
-        r = await eng.sample(SampleJob(prompt=p, max_tokens=8, temperature=0.0, stop=[], adapter=ad))
+        r = await eng.sample(sample_job(prompt=p, max_tokens=8, temperature=0.0, stop=[], adapter=ad))
         outs[str(ad)] = r.sequences[0].tokens
     log(what="sanity", greedy=outs, lora_changes_output=outs["None"] != outs["lora0"] != outs["lora1"])
 
@@ -177,14 +186,14 @@ async def run(args) -> None:
             t0 = time.perf_counter()
             tr.export_sampler_weights(run, d)
             t1 = time.perf_counter()
-            r = await eng.sample(SampleJob(prompt=list(map(int, ids[:64])), max_tokens=1, stop=[], adapter=key), adapter_dir=d)
+            r = await eng.sample(sample_job(prompt=list(map(int, ids[:64])), max_tokens=1, stop=[], adapter=key), adapter_dir=d)
             t2 = time.perf_counter()
-            await eng.sample(SampleJob(prompt=list(map(int, ids[:64])), max_tokens=1, stop=[], adapter=key))
+            await eng.sample(sample_job(prompt=list(map(int, ids[:64])), max_tokens=1, stop=[], adapter=key))
             t3 = time.perf_counter()
             log(what="save_to_first_sample", train_unembed=unembed, snapshot=k, export_s=round(t1 - t0, 3),
                 load_and_first_sample_s=round(t2 - t1, 3), total_s=round(t2 - t0, 3), warm_sample_s=round(t3 - t2, 3))
         # numerics: sampler logprobs of its own tokens vs the trainer's
-        r = await eng.sample(SampleJob(prompt=list(map(int, ids[:64])), max_tokens=32, stop=[], temperature=1.0,
+        r = await eng.sample(sample_job(prompt=list(map(int, ids[:64])), max_tokens=32, stop=[], temperature=1.0,
                                        num_samples=4, adapter=key))
         diffs = []
         for s in r.sequences:
@@ -202,7 +211,7 @@ async def run(args) -> None:
         try:
             backend.unembed_lora = "keep"
             key = "tinker://bench/keep-unembed"
-            r = await asyncio.wait_for(eng.sample(SampleJob(prompt=list(map(int, ids[:64])), max_tokens=32, stop=[],
+            r = await asyncio.wait_for(eng.sample(sample_job(prompt=list(map(int, ids[:64])), max_tokens=32, stop=[],
                                                             num_samples=4, adapter=key), adapter_dir=d), 120)
             diffs = []
             for s in r.sequences:

@@ -742,7 +742,8 @@ def direct_main(a) -> None:
 
     import torch
 
-    from functions.sampler.engine import SampleJob, SamplerEngine
+    from functions.sampler.engine import SamplerEngine
+    from openrl.contract.payloads import Sample, SamplingParams
 
     dev = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
@@ -767,8 +768,9 @@ def direct_main(a) -> None:
         prompts = [rand_ids(rng, a.prompt_tokens) for _ in range(b)]
 
         async def rnd(mt: int):
-            jobs = [SampleJob(prompt=p, max_tokens=mt, temperature=1.0, stop=[],
-                              adapter=keys[i % len(keys)] if keys else None) for i, p in enumerate(prompts)]
+            jobs = [Sample(prompt_tokens=p, base_model=a.model, model_path=keys[i % len(keys)] if keys else None,
+                           sampling_params=SamplingParams(max_tokens=mt, temperature=1.0, stop=[]))
+                    for i, p in enumerate(prompts)]
             t0 = time.perf_counter()
             res = await asyncio.gather(*(eng.sample(j) for j in jobs))
             return time.perf_counter() - t0, sum(len(sq.tokens) for r in res for sq in r.sequences)

@@ -2,7 +2,7 @@
 
 Layers::
 
-    functions/sampler.Function.handle(event)        (decodes /asample, fetches weights)
+    functions/sampler.Function.handle(event)        (parses the payload, fetches weights)
         └─ SamplerEngine.sample(job)                 validation, omitted max_tokens, adapter pinning
                └─ SamplerBackend.sample(job)          batching + decoding (backends/: transformers
                                                       on CPU or GPU, vLLM on GPU)
@@ -12,9 +12,10 @@ Everything is asynchronous and safe for many concurrent callers on one event loo
 transformers backend decodes all pending rows in one forward per step; vLLM does its own
 continuous batching).
 
-The job / result types and the backend protocol live in ``functions.sampler.types`` (with
-the numerics contract every backend honours), the backends and their factory in
-``functions.sampler.backends``; both are re-exported here.
+The job is the ``sample`` event's payload, :class:`openrl.contract.payloads.Sample`, from the
+event to the backend (no other shape of a request). The result types and the backend protocol
+live in ``functions.sampler.types`` (with the numerics contract every backend honours), the
+backends and their factory in ``functions.sampler.backends``; both are re-exported here.
 
 Adapters are keyed by an immutable snapshot key (the ``tinker://`` sampler-weights path): a
 key always means the same weights, so a loaded adapter never has to be reloaded.
@@ -24,10 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import OrderedDict
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -37,13 +36,13 @@ from functions.sampler.types import (
     TOPK_MASK_LOGPROB,
     ModelLimits,
     SampledSequence,
-    SampleJob,
     SampleResult,
     SamplerBackend,
     TopK,
 )
-from openrl.contract.sample_limits import check_sample_size
-from openrl.errors import ServerError, UserError
+from openrl.contract.payloads import Sample
+from openrl.contract.sample_limits import check_sample_limits
+from openrl.errors import ServerError
 
 log = logging.getLogger(__name__)
 
@@ -162,104 +161,53 @@ class SamplerEngine:
 
     # -- validation
 
-    def validate(self, job: SampleJob) -> SampleJob:
-        """Check ``job`` against the model and the limits; return it with ``max_tokens`` set
-        (None becomes the room left in the context, capped at ``max_tokens_default``).
+    def validate(self, job: Sample) -> Sample:
+        """Check ``job`` (its field constraints, again: a job built or changed in Python may break
+        them; then the model and the limits, :func:`check_sample_limits`) and return a validated
+        copy with the resolved values: ``sampling_params.max_tokens`` set (None becomes the room
+        left in the context, capped at ``max_tokens_default``) and ``sampling_params.stop`` a list
+        (or None).
 
         Raises:
             UserError: naming the field at fault (``prompt.chunks``, ``num_samples``,
                 ``sampling_params.max_tokens|temperature|top_p|top_k|seed|stop``,
                 ``topk_prompt_logprobs``, ``topk_sample_logprobs``,
                 ``prompt_logprobs_last_n``, ``target_prompt_logprobs``,
-                ``prompt_alt_tokens_k``).
+                ``prompt_alt_tokens_k``, ``model_path``).
         """
+        job = Sample.parse(job)
         lim = self.limits
-        prompt = job.prompt
-        # the gateway runs the same check before it publishes (openrl/contract/sample_limits.py)
-        max_tokens = check_sample_size(prompt, job.num_samples, job.max_tokens, vocab_size=lim.vocab_size,
-                                       max_context=lim.max_context, max_num_samples=self.max_num_samples,
-                                       default_max_tokens=self.max_tokens_default, prompt_field="prompt.chunks")
-        P = len(prompt)
-        if not _is_real(job.temperature) or job.temperature < 0:
-            raise UserError("sampling_params.temperature", f"must be a finite number >= 0, got {job.temperature!r}")
-        if not _is_real(job.top_p) or not 0 < job.top_p <= 1:
-            raise UserError("sampling_params.top_p", f"must be in (0, 1], got {job.top_p!r}")
-        if not _is_int(job.top_k) or job.top_k < -1:
-            raise UserError("sampling_params.top_k", f"must be -1 (no limit) or a positive integer, got {job.top_k!r}")
-        if job.seed is not None and not _is_int(job.seed):
-            raise UserError("sampling_params.seed", f"must be an integer, got {job.seed!r}")
-        stop = job.stop
-        if stop is not None:
-            if isinstance(stop, str):
-                stop = [stop]
-            if not isinstance(stop, (list, tuple)):
-                raise UserError("sampling_params.stop", "must be a string, a list of strings or a list of token ids")
-            stop = list(stop)
-            if all(isinstance(s, str) for s in stop):
-                if any(s == "" for s in stop):
-                    raise UserError("sampling_params.stop", "stop strings must not be empty")
-                if stop and not lim.has_tokenizer:
-                    raise UserError("sampling_params.stop", "this model has no tokenizer; use stop token ids")
-            elif all(_is_int(s) for s in stop):
-                bad = [s for s in stop if not 0 <= s < lim.vocab_size]
-                if bad:
-                    raise UserError(
-                        "sampling_params.stop", f"stop token id {bad[0]} is outside the vocabulary [0, {lim.vocab_size})"
-                    )
-            else:
-                raise UserError("sampling_params.stop", "must be all strings or all token ids, not a mix")
-        for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-            k = getattr(job, name)
-            if not _is_int(k) or not 0 <= k <= self.max_topk:
-                raise UserError(name, f"must be an integer in [0, {self.max_topk}], got {k!r}")
-        n = job.prompt_logprobs_last_n
-        if n is not None:
-            if not _is_int(n) or not 1 <= n <= P - 1:
-                raise UserError(
-                    "prompt_logprobs_last_n", f"must be an integer in [1, len(prompt) - 1 = {P - 1}], got {n!r}"
-                )
-            if not job.prompt_logprobs:
-                raise UserError("prompt_logprobs_last_n", "needs prompt_logprobs (include_prompt_logprobs) set")
-        tgt = job.target_prompt_ids
-        if tgt is not None:
-            if len(tgt) != P - 1 or any(not isinstance(r, (list, tuple)) for r in tgt):
-                raise UserError("target_prompt_logprobs", f"must have exactly len(prompt) - 1 = {P - 1} rows")
-            width = {len(r) for r in tgt}
-            if len(width) > 1:
-                raise UserError("target_prompt_logprobs", "rows must all have the same width")
-            ids = [t for r in tgt for t in r]
-            if not any(t != -1 for t in ids):
-                raise UserError("target_prompt_logprobs", "must name at least one token id")
-            if any(not _is_int(t) or not -1 <= t < lim.vocab_size for t in ids):
-                raise UserError("target_prompt_logprobs", f"ids must be -1 or in [0, {lim.vocab_size})")
-            if width and next(iter(width)) > self.max_topk:
-                raise UserError("target_prompt_logprobs", f"at most {self.max_topk} ids per row")
-        if job.adapter is not None and not isinstance(job.adapter, str):
-            raise UserError("model_path", "adapter key must be a string")
-        return replace(job, prompt=list(prompt), max_tokens=max_tokens, stop=stop)
+        # the gateway runs the same size check before it publishes (openrl/contract/sample_limits.py)
+        max_tokens = check_sample_limits(job, vocab_size=lim.vocab_size, max_context=lim.max_context,
+                                         has_tokenizer=lim.has_tokenizer, max_num_samples=self.max_num_samples,
+                                         max_topk=self.max_topk, default_max_tokens=self.max_tokens_default)
+        sp = job.sampling_params
+        return job.model_copy(update={"sampling_params": sp.model_copy(update={"max_tokens": max_tokens,
+                                                                                "stop": sp.stop_list})})
 
     # -- sampling
 
-    async def sample(self, job: SampleJob, *, adapter_dir: Path | None = None) -> SampleResult:
+    async def sample(self, job: Sample, *, adapter_dir: Path | None = None) -> SampleResult:
         """Validate and run one job; many callers may await this concurrently.
 
         Args:
-            job: the request. ``job.adapter`` must be loaded already, or ``adapter_dir``
-                given (then it is loaded here, atomically with pinning it).
-            adapter_dir: local PEFT directory of ``job.adapter``.
+            job: the request. Its ``model_path`` is the adapter key (None = the base model): it
+                must be loaded already, or ``adapter_dir`` given (then it is loaded here,
+                atomically with pinning it).
+            adapter_dir: local PEFT directory of the adapter ``job.model_path``.
 
         Returns:
             ``SampleResult`` with ``job.num_samples`` sequences.
 
         Raises:
             UserError: invalid job (see ``validate``).
-            ServerError: ``job.adapter`` is not loaded and no ``adapter_dir`` was given, or
+            ServerError: ``job.model_path`` is not loaded and no ``adapter_dir`` was given, or
                 the engine is closed.
         """
         if self._closed:
             raise ServerError("the sampler engine is closed")
         job = self.validate(job)
-        key = job.adapter
+        key = job.model_path
         if key is None:
             return await self.backend.sample(job)
         self._in_use[key] = self._in_use.get(key, 0) + 1
@@ -303,18 +251,9 @@ class SamplerEngine:
         await self.backend.close()
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 __all__ = [
     "TOPK_MASK_LOGPROB",
     "ModelLimits",
-    "SampleJob",
     "SampleResult",
     "SampledSequence",
     "SamplerBackend",

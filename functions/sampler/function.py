@@ -23,7 +23,6 @@ from openrl.contract.topology import SOURCE_SAMPLER
 from openrl.observe import metrics, startup
 
 from openrl.edge import proto
-from openrl.errors import UserError
 from openrl.model.loadfailures import LoadFailures, ModelLoadError, describe_failures
 from openrl.model.registry import ModelRegistry
 from openrl.storage import TinkerPath, open_storage
@@ -222,30 +221,10 @@ class SamplerFunction:
 
     async def _sample(self, event, d: payloads.Sample, engine, adapter: str | None, adapter_dir: Path | None,
                       busy) -> object:
-        """Run the job of ``d`` on ``engine`` (``adapter`` loaded from ``adapter_dir`` when it is
-        not loaded, atomically with pinning it for this job) and build the result event."""
-        from functions.sampler.engine import SampleJob
-
-        sp = d.sampling_params
-        stop = [sp.stop] if isinstance(sp.stop, str) else sp.stop
-        tpl = d.target_prompt_logprobs
-        job = SampleJob(
-            prompt=list(d.prompt_tokens),
-            num_samples=d.num_samples,
-            max_tokens=sp.max_tokens,
-            temperature=sp.temperature,
-            top_p=sp.top_p,
-            top_k=sp.top_k,
-            seed=sp.seed,
-            stop=stop,
-            prompt_logprobs=d.prompt_logprobs,
-            topk_prompt_logprobs=d.topk_prompt_logprobs,
-            topk_sample_logprobs=d.topk_sample_logprobs,
-            prompt_logprobs_last_n=d.prompt_logprobs_last_n,
-            adapter=adapter,
-            target_prompt_ids=target_rows(tpl) if tpl else None,
-            prompt_alt_tokens_k=d.prompt_alt_tokens_k,
-        )
+        """Run ``d`` on ``engine`` (the payload is the job; its ``model_path`` becomes ``adapter``, the
+        snapshot's normalised path and adapter key, loaded from ``adapter_dir`` when it is not
+        loaded, atomically with pinning it for this job) and build the result event."""
+        job = d if adapter is None else d.model_copy(update={"model_path": adapter})  # the adapter key
         t0 = time.perf_counter()
         with busy.job():
             res = await engine.sample(job, adapter_dir=adapter_dir)
@@ -255,7 +234,7 @@ class SamplerFunction:
                                time.perf_counter() - t0, prompt_tokens=len(d.prompt_tokens))
         if d.record_stability_info:  # before the result: a client never holds an id without its record
             await self._stability().put_many(stability_records(event, d, res))
-        return events.result_event(event, encode_result(res, tpl), source=SOURCE)
+        return events.result_event(event, encode_result(res, d.target_prompt_logprobs), source=SOURCE)
 
     async def _unpin_unused(self) -> None:
         """Drop the handoff pins of adapters no engine holds or is loading (under the lock that
@@ -305,31 +284,6 @@ def stability_records(event, d: payloads.Sample, res) -> dict:
                                    tokens=np.asarray(s.tokens, dtype=np.int64),
                                    logprobs=np.asarray(s.logprobs, dtype=np.float32), used_at=now)
             for seq_id, s in zip(sequence_ids(event.get_id(), len(res.sequences)), res.sequences)}
-
-
-def target_rows(td: dict) -> list[list[int]]:
-    """A JSON TensorData of int64 target ids ``[P-1, K]`` (dense or CSR, -1 = unused) as rows.
-
-    Raises:
-        UserError: the tensor is not 2-D or its CSR indices do not fit its shape.
-    """
-    shape = td.get("shape") or []
-    if len(shape) != 2:
-        raise UserError("target_prompt_logprobs", f"expected shape [len(prompt)-1, K], got {shape}")
-    rows, k = int(shape[0]), int(shape[1])
-    data = [int(x) for x in td.get("data") or []]
-    if td.get("sparse_crow_indices") is not None:
-        crow, col = td["sparse_crow_indices"], td.get("sparse_col_indices") or []
-        if len(crow) != rows + 1 or len(col) != len(data) or (col and max(col) >= k):
-            raise UserError("target_prompt_logprobs", "CSR indices do not match the shape")
-        dense = [[-1] * k for _ in range(rows)]
-        for r in range(rows):
-            for j in range(crow[r], crow[r + 1]):
-                dense[r][col[j]] = data[j]
-        return dense
-    if len(data) != rows * k:
-        raise UserError("target_prompt_logprobs", f"{len(data)} values for shape {shape}")
-    return [data[r * k:(r + 1) * k] for r in range(rows)]
 
 
 def encode_result(res, tpl: dict | None) -> bytes:

@@ -2,7 +2,7 @@
 
 Semantics (the vLLM / Tinker ones, which the cookbook's renderers rely on):
 
-* ``SampleJob.stop is None``: stop at the model's EOS ids.
+* ``stop is None`` (a job's ``sampling_params.stop``): stop at the model's EOS ids.
 * ``stop == []``: no stop at all, not even EOS; only ``max_tokens`` ends a sequence.
 * ``stop`` = list of token ids: stop at any of them **or** at EOS. The stop token is the
   last token of the returned sequence (it is included, as vLLM's ``token_ids`` include it).
@@ -26,10 +26,10 @@ from typing import Any
 def resolve_stop(
     stop: Sequence[str] | Sequence[int] | None, eos_ids: frozenset[int]
 ) -> tuple[frozenset[int], tuple[str, ...]]:
-    """Turn ``SampleJob.stop`` into (stop token ids, stop strings).
+    """Turn a job's stop condition into (stop token ids, stop strings).
 
     Args:
-        stop: the job's ``stop`` (already validated: all str or all int).
+        stop: the job's ``sampling_params.stop_list`` (validated: all str or all int).
         eos_ids: the model's EOS ids.
 
     Returns:

@@ -1,5 +1,11 @@
-"""The sampler's types: a sampling job, its result, the model limits a backend reports, and
-the ``SamplerBackend`` protocol. A leaf module: it imports nothing of the engine or backends.
+"""The sampler's types: a job's result, the model limits a backend reports, and the
+``SamplerBackend`` protocol. A leaf module: it imports nothing of the engine or backends.
+
+The job itself is the ``sample`` event's payload, :class:`openrl.contract.payloads.Sample` (its
+fields documented there): the engine validates it (``SamplerEngine.validate``: the field
+constraints, then :func:`openrl.contract.sample_limits.check_sample_limits`) and hands backends a
+copy whose ``sampling_params.max_tokens`` is an int and ``sampling_params.stop`` a list or None;
+``model_path`` is the adapter key (None = the base model).
 
 Numerics contract (all backends): every logprob returned (sampled tokens, prompt tokens,
 top-k) is ``log_softmax`` of the model's raw logits in float32, at temperature 1 and with no
@@ -14,63 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from openrl.contract.payloads import Sample
+
 #: Logprob written into empty top-k cells (Tinker's ``TopkLogprobs`` sentinel, with id 0).
 TOPK_MASK_LOGPROB = -99999.0
 
 
 # --------------------------------------------------------------------------- data types
-
-
-@dataclass
-class SampleJob:
-    """One sampling request (one ``/asample``), already decoded from the wire.
-
-    Attributes:
-        prompt: prompt token ids (the ``encoded_text`` chunks concatenated), length P >= 1.
-        num_samples: independent sequences to draw from the prompt (>= 1).
-        max_tokens: most tokens to generate per sequence; None = until a stop or the room
-            left in the context, capped by the engine's ``max_tokens_default`` when set (no
-            hidden short default: the gateway sends ``min(OPENRL_SAMPLER_MAX_TOKENS_CAP,
-            context - P)`` for a request that omits it).
-        temperature: >= 0; 0 = greedy (argmax). Only changes which token is drawn.
-        top_p: nucleus mass in (0, 1]; 1 = no nucleus filtering.
-        top_k: keep the k most likely tokens; -1 (or 0) = no limit.
-        seed: sequences ``i`` of a job with seed ``s`` are drawn from a generator seeded by
-            ``(s, i)`` only, so the same seed gives the same samples whatever else is batched
-            with it. None = a fresh random seed.
-        stop: None = stop at EOS; ``[]`` = never stop (only ``max_tokens``); a list of token
-            ids or a list of strings (a bare string counts as a one-element list) = stop at
-            any of them or at EOS. See ``stops.py``: the
-            returned tokens include the stop token / the token completing a stop string.
-        prompt_logprobs: return ``SampleResult.prompt_logprobs``.
-        topk_prompt_logprobs: K >= 0; return the top-K (id, logprob) at every prompt position.
-        topk_sample_logprobs: K >= 0; return the top-K (id, logprob) at every sampled position.
-        prompt_logprobs_last_n: score only the last N prompt positions (1 <= N <= P-1);
-            earlier positions are NaN (prompt_logprobs) / empty (top-k rows). Needs
-            ``prompt_logprobs``.
-        adapter: key of an adapter loaded with ``SamplerEngine.ensure_adapter`` (or passed
-            with ``adapter_dir`` to ``sample``); None = the base model.
-        target_prompt_ids: optional ``[P-1][K]`` token ids (Tinker ``target_prompt_logprobs``):
-            row ``i`` names ids to score at prompt position ``i+1``; -1 = unused cell.
-        prompt_alt_tokens_k: k >= 0; draw k tokens at every prompt position after the first,
-            at the job's temperature (Tinker ``prompt_alt_tokens_k``).
-    """
-
-    prompt: list[int]
-    num_samples: int = 1
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: list[str] | list[int] | None = None
-    prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = 0
-    topk_sample_logprobs: int = 0
-    prompt_logprobs_last_n: int | None = None
-    adapter: str | None = None
-    target_prompt_ids: list[list[int]] | None = None
-    prompt_alt_tokens_k: int = 0
 
 
 #: Top-k logprobs at N positions: ``(ids [N][K], logprobs [N][K])``; empty cells are id 0
@@ -100,7 +56,7 @@ class SampledSequence:
 
 @dataclass
 class SampleResult:
-    """The answer to one ``SampleJob``.
+    """The answer to one job (a :class:`~openrl.contract.payloads.Sample`).
 
     Attributes:
         sequences: ``num_samples`` sequences, in sample-index order.
@@ -147,8 +103,8 @@ class SamplerBackend(Protocol):
     ``functions.sampler.backends.vllm.VLLMBackend`` (vLLM, GPU); built by
     ``functions.sampler.backends.make_backend``.
 
-    The engine calls ``sample`` only with validated jobs whose ``max_tokens`` is an int and
-    whose adapter is loaded and pinned (it is not unloaded before ``sample`` returns). A
+    The engine calls ``sample`` only with validated jobs (``SamplerEngine.validate``) whose
+    ``sampling_params.max_tokens`` is an int and whose adapter (``model_path``) is loaded and pinned (it is not unloaded before ``sample`` returns). A
     backend must honour the numerics contract in this module's docstring and the stop
     semantics in ``stops.py``.
 
@@ -167,7 +123,7 @@ class SamplerBackend(Protocol):
         """Free the adapter ``key`` (no job uses it)."""
         ...
 
-    async def sample(self, job: SampleJob) -> SampleResult:
+    async def sample(self, job: Sample) -> SampleResult:
         """Run one validated job. Safe to call concurrently; batches concurrent calls."""
         ...
 
@@ -179,7 +135,6 @@ class SamplerBackend(Protocol):
 __all__ = [
     "TOPK_MASK_LOGPROB",
     "ModelLimits",
-    "SampleJob",
     "SampleResult",
     "SampledSequence",
     "SamplerBackend",

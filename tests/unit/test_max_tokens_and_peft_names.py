@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 
 from functions.sampler.backends.vllm import sampling_kwargs
-from functions.sampler.engine import ModelLimits, SampleJob, SampleResult, SampledSequence, SamplerEngine
+from functions.sampler.engine import ModelLimits, SampleResult, SampledSequence, SamplerEngine
 from functions.sampler.stops import resolve_stop
 from micro_model import write_micro_qwen3  # tests/micro_model.py
+from openrl.contract.payloads import Sample
+from sample_jobs import sample_job  # tests/sample_jobs.py
 from openrl.errors import UserError
 from openrl.model.registry import ModelRegistry, split_peft_suffix
 
@@ -37,15 +39,15 @@ async def test_omitted_max_tokens_runs_to_the_end_of_the_context(model_dir):
     eng = SamplerEngine(model_dir, backend="hf")
     try:
         prompt = [3 + i % 50 for i in range(CONTEXT - 40)]
-        seq = (await eng.sample(SampleJob(prompt=prompt, temperature=0.0, stop=[]))).sequences[0]
+        seq = (await eng.sample(sample_job(prompt, temperature=0.0, stop=[]))).sequences[0]
         assert len(seq.tokens) == 40 and seq.stop_reason == "length"
     finally:
         await eng.close()
     capped = SamplerEngine(model_dir, backend="hf", max_tokens_default=25)
     try:
-        seq = (await capped.sample(SampleJob(prompt=[5, 6, 7], temperature=0.0, stop=[]))).sequences[0]
+        seq = (await capped.sample(sample_job([5, 6, 7], temperature=0.0, stop=[]))).sequences[0]
         assert len(seq.tokens) == 25 and seq.stop_reason == "length"
-        assert capped.validate(SampleJob(prompt=[1] * (CONTEXT - 4))).max_tokens == 4  # room < cap
+        assert capped.validate(sample_job([1] * (CONTEXT - 4))).sampling_params.max_tokens == 4  # room < cap
     finally:
         await capped.close()
 
@@ -55,7 +57,7 @@ class _RecordingBackend:
 
     def __init__(self, limits: ModelLimits):
         self.limits = limits
-        self.jobs: list[SampleJob] = []
+        self.jobs: list[Sample] = []
 
     async def sample(self, job):
         self.jobs.append(job)
@@ -69,13 +71,13 @@ async def test_vllm_gets_the_room_left_for_an_omitted_max_tokens():
     limits = ModelLimits(vocab_size=1000, max_context=2048, eos_token_ids=frozenset({2}), has_tokenizer=False)
     backend = _RecordingBackend(limits)
     eng = SamplerEngine(Path("unused"), backend=backend)
-    await eng.sample(SampleJob(prompt=list(range(10, 58))))
+    await eng.sample(sample_job(list(range(10, 58))))
     job = backend.jobs[-1]
-    kw = sampling_kwargs(job, *resolve_stop(job.stop, limits.eos_token_ids))
+    kw = sampling_kwargs(job, *resolve_stop(job.sampling_params.stop, limits.eos_token_ids))
     assert kw["max_tokens"] == 2048 - 48
-    await SamplerEngine(Path("unused"), backend=backend, max_tokens_default=300).sample(SampleJob(prompt=[5]))
+    await SamplerEngine(Path("unused"), backend=backend, max_tokens_default=300).sample(sample_job([5]))
     job = backend.jobs[-1]
-    assert sampling_kwargs(job, *resolve_stop(job.stop, limits.eos_token_ids))["max_tokens"] == 300
+    assert sampling_kwargs(job, *resolve_stop(job.sampling_params.stop, limits.eos_token_ids))["max_tokens"] == 300
 
 
 # --------------------------------------------------------------------------- :peft:<context>

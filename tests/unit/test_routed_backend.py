@@ -16,11 +16,12 @@ import torch
 from functions.sampler.backends.hf import HFBackend
 from functions.sampler.backends.routed import RoutedBackend
 from functions.sampler.backends.vllm_convert import check_supported, route_reason
-from functions.sampler.engine import SampleJob, SamplerEngine
+from functions.sampler.engine import SamplerEngine
 from openrl.errors import ServerError, UserError
 from openrl.model.lora import LoraSpec, MultiLoRAModel, save_peft_adapter
 
 from micro_model import write_micro_qwen3
+from sample_jobs import sample_job  # tests/sample_jobs.py
 
 
 class VLLMLike(HFBackend):
@@ -84,16 +85,16 @@ async def test_fields_without_vllm_equivalent_run_on_the_secondary(model_dir):
     ref = HFBackend(model_dir)
     try:
         p = [5, 9, 13, 2, 7]
-        plain = SampleJob(prompt=p, max_tokens=3, seed=4)
+        plain = sample_job(p, max_tokens=3, seed=4)
         await rb.sample(plain)
         assert rb.primary.served == 1 and not built and rb.name == "vllm"
-        job = SampleJob(prompt=p, max_tokens=1, seed=1, prompt_logprobs=True, prompt_alt_tokens_k=2,
+        job = sample_job(p, max_tokens=1, seed=1, prompt_logprobs=True, prompt_alt_tokens_k=2,
                         target_prompt_ids=[[1, 2], [3, -1], [4, 5], [6, 7]])
         got, want = await rb.sample(job), await ref.sample(job)
         assert got.sequences[0].tokens == want.sequences[0].tokens
         assert got.prompt_logprobs[1:] == pytest.approx(want.prompt_logprobs[1:], abs=1e-6)
         assert rb.routed == {"target_prompt_logprobs": 1} and len(built) == 1 and rb.name == "vllm+hf"
-        await rb.sample(SampleJob(prompt=p, max_tokens=1, prompt_alt_tokens_k=1, seed=2))
+        await rb.sample(sample_job(p, max_tokens=1, prompt_alt_tokens_k=1, seed=2))
         assert rb.routed["prompt_alt_tokens_k"] == 1 and len(built) == 1  # built once
         assert rb.primary.served == 1
     finally:
@@ -109,7 +110,7 @@ async def test_an_unembed_adapter_in_fallback_mode_is_served_whole_by_the_second
         await ref.load_adapter("snap", adapter_dir)
         rb.primary.unembed_adapters.add("snap")
         rb.primary.mode = "fallback"
-        job = SampleJob(prompt=[3, 1, 4, 1, 5], max_tokens=4, seed=9, prompt_logprobs=True, adapter="snap")
+        job = sample_job([3, 1, 4, 1, 5], max_tokens=4, seed=9, prompt_logprobs=True, adapter="snap")
         got, want = await rb.sample(job), await ref.sample(job)
         assert got.sequences[0].tokens == want.sequences[0].tokens
         assert got.sequences[0].logprobs == pytest.approx(want.sequences[0].logprobs, abs=1e-6)
@@ -124,13 +125,13 @@ async def test_an_unembed_adapter_in_fallback_mode_is_served_whole_by_the_second
 async def test_a_secondary_that_cannot_start_fails_the_routed_job_with_its_error(model_dir):
     rb, built = _routed(model_dir, fail_secondary=True)
     try:
-        job = SampleJob(prompt=[1, 2, 3], max_tokens=1, prompt_alt_tokens_k=1)
+        job = sample_job([1, 2, 3], max_tokens=1, prompt_alt_tokens_k=1)
         for _ in range(2):
             with pytest.raises(ServerError) as ei:
                 await rb.sample(job)
             assert "prompt_alt_tokens_k" in str(ei.value) and "OutOfMemoryError" in str(ei.value)
         assert len(built) == 1  # remembered, not retried on every job
-        res = await rb.sample(SampleJob(prompt=[1, 2, 3], max_tokens=2, seed=0))  # the primary still serves
+        res = await rb.sample(sample_job([1, 2, 3], max_tokens=2, seed=0))  # the primary still serves
         assert len(res.sequences[0].tokens) == 2
     finally:
         await rb.close()
@@ -143,9 +144,9 @@ async def test_the_engine_validates_against_the_primary_then_routes(model_dir):
     eng = SamplerEngine(model_dir, backend=rb)
     try:
         with pytest.raises(UserError) as ei:
-            await eng.sample(SampleJob(prompt=[1, 2, 3], max_tokens=1, prompt_alt_tokens_k=10_000))
+            await eng.sample(sample_job([1, 2, 3], max_tokens=1, prompt_alt_tokens_k=10_000))
         assert ei.value.field == "prompt_alt_tokens_k"
-        res = await eng.sample(SampleJob(prompt=[1, 2, 3], max_tokens=1, prompt_alt_tokens_k=2, seed=3))
+        res = await eng.sample(sample_job([1, 2, 3], max_tokens=1, prompt_alt_tokens_k=2, seed=3))
         assert res.sequences and rb.routed == {"prompt_alt_tokens_k": 1}
     finally:
         await eng.close()
@@ -163,14 +164,14 @@ async def test_prompt_logprobs_of_an_unembed_adapter_go_to_the_secondary(model_d
             await rb.load_adapter(k, adapter_dir)
             await ref.load_adapter(k, adapter_dir)
         rb.primary.unembed_adapters.add("snap")  # "body" plays an adapter without lm_head LoRA
-        await rb.sample(SampleJob(prompt=[3, 1, 4], max_tokens=2, seed=1, adapter="snap"))
+        await rb.sample(sample_job([3, 1, 4], max_tokens=2, seed=1, adapter="snap"))
         assert rb.primary.served == 1 and not built
-        job = SampleJob(prompt=[3, 1, 4, 1, 5], max_tokens=1, seed=2, prompt_logprobs=True, adapter="snap")
+        job = sample_job([3, 1, 4, 1, 5], max_tokens=1, seed=2, prompt_logprobs=True, adapter="snap")
         got, want = await rb.sample(job), await ref.sample(job)
         assert got.prompt_logprobs[1:] == pytest.approx(want.prompt_logprobs[1:], abs=1e-6)
-        await rb.sample(SampleJob(prompt=[3, 1, 4], max_tokens=1, topk_prompt_logprobs=2, adapter="snap"))
+        await rb.sample(sample_job([3, 1, 4], max_tokens=1, topk_prompt_logprobs=2, adapter="snap"))
         assert rb.routed == {"prompt logprobs with lm_head LoRA": 2} and len(built) == 1
-        await rb.sample(SampleJob(prompt=[3, 1, 4], max_tokens=1, prompt_logprobs=True, adapter="body"))
+        await rb.sample(sample_job([3, 1, 4], max_tokens=1, prompt_logprobs=True, adapter="body"))
         assert rb.primary.served == 2 and rb.routed == {"prompt logprobs with lm_head LoRA": 2}
     finally:
         await rb.close()

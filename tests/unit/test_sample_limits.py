@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from functions.sampler.engine import SamplerEngine
-from functions.sampler.types import ModelLimits, SampleJob
+from functions.sampler.types import ModelLimits
 from openrl.contract.sample_limits import check_sample_size
 from openrl.errors import UserError
+from sample_jobs import sample_job, unchecked_job  # tests/sample_jobs.py
 
 LIMITS = ModelLimits(vocab_size=100, max_context=16, eos_token_ids=frozenset({2}), has_tokenizer=False)
 
@@ -48,9 +49,10 @@ def test_the_engine_refuses_what_the_check_refuses(args, field):
                           prompt_field="prompt.chunks")
     assert want.value.field == field
     engine = SamplerEngine(Path("unused"), backend=_LimitsOnly(), max_num_samples=8)
-    with pytest.raises(UserError) as got:
-        engine.validate(SampleJob(prompt=prompt, num_samples=n, max_tokens=mt))
-    assert (got.value.field, str(got.value)) == (want.value.field, str(want.value))
+    for build in (sample_job, unchecked_job):  # refused as the payload is parsed, or by the engine itself
+        with pytest.raises(UserError) as got:
+            engine.validate(build(prompt, num_samples=n, max_tokens=mt))
+        assert (got.value.field, str(got.value)) == (want.value.field, str(want.value))
     with pytest.raises(UserError) as gateway:  # the gateway's call
         check_sample_size(prompt, n, mt, vocab_size=100, max_context=16, max_num_samples=8)
     assert gateway.value.field == ("prompt" if field == "prompt.chunks" and (not prompt or len(prompt) >= 16)

@@ -14,7 +14,6 @@ import transformers
 
 from functions.sampler.engine import (
     TOPK_MASK_LOGPROB,
-    SampleJob,
     SamplerBackend,
     SamplerEngine,
 )
@@ -24,6 +23,8 @@ from openrl.model.lora import LoraSpec, MultiLoRAModel, save_peft_adapter
 from openrl.model.logprobs import target_logprobs
 
 from micro_model import write_micro_qwen3  # tests/micro_model.py
+from openrl.contract.payloads import Sample
+from sample_jobs import changed, sample_job, unchecked_job  # tests/sample_jobs.py
 
 VOCAB = 512
 EOS = 0  # "<|endoftext|>" is the tokenizer's first (special) token
@@ -100,8 +101,8 @@ def _greedy_reference(model_dir: Path, prompt: list[int], n: int) -> list[int]:
 PROMPTS = [[5, 17, 33, 101, 7, 250, 11], [300, 2], [42, 43, 44, 45]]
 
 
-def _greedy(prompt, n=6, **kw) -> SampleJob:
-    return SampleJob(prompt=list(prompt), max_tokens=n, temperature=0.0, stop=[], **kw)
+def _greedy(prompt, n=6, **kw) -> Sample:
+    return sample_job(list(prompt), max_tokens=n, temperature=0.0, stop=[], **kw)
 
 
 # --------------------------------------------------------------------------- tests
@@ -157,19 +158,19 @@ async def test_continuous_batching_late_joiner(model_dir):
 
 async def test_seeds(model_dir):
     eng = _engine(model_dir)
-    job = SampleJob(prompt=PROMPTS[0], num_samples=3, max_tokens=8, temperature=1.0, seed=7, stop=[])
+    job = sample_job(PROMPTS[0], num_samples=3, max_tokens=8, temperature=1.0, seed=7, stop=[])
     a = await eng.sample(job)
     b = await eng.sample(job)
     assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
     assert len({tuple(s.tokens) for s in a.sequences}) > 1  # samples differ from each other
     # same seed, batched with other jobs -> same samples
-    others = [SampleJob(prompt=p, num_samples=2, max_tokens=5, temperature=0.8, top_k=20, seed=1) for p in PROMPTS]
+    others = [sample_job(p, num_samples=2, max_tokens=5, temperature=0.8, top_k=20, seed=1) for p in PROMPTS]
     c, *_ = await asyncio.gather(eng.sample(job), *(eng.sample(o) for o in others))
     assert [s.tokens for s in c.sequences] == [s.tokens for s in a.sequences]
-    d = await eng.sample(replace(job, seed=8))
+    d = await eng.sample(changed(job, seed=8))
     assert [s.tokens for s in d.sequences] != [s.tokens for s in a.sequences]
     # no seed: still valid, independent draws
-    e = await eng.sample(replace(job, seed=None))
+    e = await eng.sample(changed(job, seed=None))
     assert all(len(s.tokens) == 8 for s in e.sequences)
     await eng.close()
 
@@ -178,11 +179,11 @@ async def test_top_k_one_and_tiny_top_p_are_greedy(model_dir):
     eng = _engine(model_dir)
     greedy = (await eng.sample(_greedy(PROMPTS[0], n=6))).sequences[0].tokens
     for kw in ({"top_k": 1}, {"top_p": 1e-6}):
-        job = SampleJob(prompt=PROMPTS[0], max_tokens=6, temperature=1.5, seed=3, stop=[], num_samples=2, **kw)
+        job = sample_job(PROMPTS[0], max_tokens=6, temperature=1.5, seed=3, stop=[], num_samples=2, **kw)
         res = await eng.sample(job)
         assert all(s.tokens == greedy for s in res.sequences), kw
     # top_k=5: every sampled token is among the 5 most likely
-    job = SampleJob(prompt=PROMPTS[0], max_tokens=6, temperature=2.0, seed=3, stop=[], top_k=5, topk_sample_logprobs=5)
+    job = sample_job(PROMPTS[0], max_tokens=6, temperature=2.0, seed=3, stop=[], top_k=5, topk_sample_logprobs=5)
     seq = (await eng.sample(job)).sequences[0]
     assert all(t in ids for t, ids in zip(seq.tokens, seq.topk[0]))
     await eng.close()
@@ -192,12 +193,12 @@ async def test_sampled_logprobs_match_trainer_numerics(model_dir, adapter_dirs):
     eng = _engine(model_dir)
     await eng.ensure_adapter("ad0", adapter_dirs[0])
     for adapter in (None, "ad0"):
-        job = SampleJob(prompt=PROMPTS[0], num_samples=2, max_tokens=10, temperature=1.0, seed=5, stop=[],
+        job = sample_job(PROMPTS[0], num_samples=2, max_tokens=10, temperature=1.0, seed=5, stop=[],
                         prompt_logprobs=True, adapter=adapter)
         res = await eng.sample(job)
-        P = len(job.prompt)
+        P = len(job.prompt_tokens)
         for seq in res.sequences:
-            full = job.prompt + seq.tokens
+            full = job.prompt_tokens + seq.tokens
             ids = torch.tensor([full[:-1]])
             tgt = torch.tensor([full[1:]])
             with torch.no_grad():
@@ -211,7 +212,7 @@ async def test_sampled_logprobs_match_trainer_numerics(model_dir, adapter_dirs):
 async def test_prompt_logprobs_last_n_and_topk(model_dir):
     eng = _engine(model_dir)
     P = len(PROMPTS[0])
-    full = await eng.sample(SampleJob(prompt=PROMPTS[0], max_tokens=1, prompt_logprobs=True, topk_prompt_logprobs=3))
+    full = await eng.sample(sample_job(PROMPTS[0], max_tokens=1, prompt_logprobs=True, topk_prompt_logprobs=3))
     assert len(full.prompt_logprobs) == P and math.isnan(full.prompt_logprobs[0])
     assert not any(math.isnan(x) for x in full.prompt_logprobs[1:])
     ids, lps = full.topk_prompt
@@ -221,7 +222,7 @@ async def test_prompt_logprobs_last_n_and_topk(model_dir):
         assert lps[t] == sorted(lps[t], reverse=True)
         assert lps[t][0] >= full.prompt_logprobs[t] - 1e-6
     last = await eng.sample(
-        SampleJob(prompt=PROMPTS[0], max_tokens=1, prompt_logprobs=True, topk_prompt_logprobs=3, prompt_logprobs_last_n=2)
+        sample_job(PROMPTS[0], max_tokens=1, prompt_logprobs=True, topk_prompt_logprobs=3, prompt_logprobs_last_n=2)
     )
     assert all(math.isnan(x) for x in last.prompt_logprobs[: P - 2])
     assert last.prompt_logprobs[P - 2 :] == pytest.approx(full.prompt_logprobs[P - 2 :], abs=1e-6)
@@ -245,7 +246,7 @@ async def test_target_prompt_ids_and_alt_tokens(model_dir):
     p = PROMPTS[0]
     tgt = [[-1, -1] for _ in range(len(p) - 1)]
     tgt[2] = [p[3], 9]
-    res = await eng.sample(SampleJob(prompt=p, max_tokens=1, prompt_logprobs=True, target_prompt_ids=tgt,
+    res = await eng.sample(sample_job(p, max_tokens=1, prompt_logprobs=True, target_prompt_ids=tgt,
                                      prompt_alt_tokens_k=2, seed=1))
     assert res.target_prompt_logprobs[0] == [0.0, 0.0]
     assert res.target_prompt_logprobs[2][0] == pytest.approx(res.prompt_logprobs[3], abs=1e-6)
@@ -261,19 +262,19 @@ async def test_stop_token_ids_and_eos(model_dir):
     i = 3
     stop_id = toks[i]
     first = toks.index(stop_id)
-    seq = (await eng.sample(replace(_greedy(PROMPTS[0], n=10), stop=[stop_id]))).sequences[0]
+    seq = (await eng.sample(changed(_greedy(PROMPTS[0], n=10), stop=[stop_id]))).sequences[0]
     assert seq.tokens == toks[: first + 1] and seq.stop_reason == "stop"
 
     # EOS: stop=None stops at EOS; stop=[] ignores it. Make the greedy token an EOS id.
     backend = HFBackend(model_dir)
     backend.limits = replace(backend.limits, eos_token_ids=frozenset({stop_id}))
     eng2 = SamplerEngine(model_dir, backend=backend)
-    seq = (await eng2.sample(SampleJob(prompt=PROMPTS[0], max_tokens=10, temperature=0.0))).sequences[0]
+    seq = (await eng2.sample(sample_job(PROMPTS[0], max_tokens=10, temperature=0.0))).sequences[0]
     assert seq.tokens == toks[: first + 1] and seq.stop_reason == "stop"
-    seq = (await eng2.sample(SampleJob(prompt=PROMPTS[0], max_tokens=10, temperature=0.0, stop=[]))).sequences[0]
+    seq = (await eng2.sample(sample_job(PROMPTS[0], max_tokens=10, temperature=0.0, stop=[]))).sequences[0]
     assert seq.tokens == toks and seq.stop_reason == "length"
     # stop strings keep EOS stopping too
-    seq = (await eng2.sample(SampleJob(prompt=PROMPTS[0], max_tokens=10, temperature=0.0, stop=["\x00never"]))).sequences[0]
+    seq = (await eng2.sample(sample_job(PROMPTS[0], max_tokens=10, temperature=0.0, stop=["\x00never"]))).sequences[0]
     assert seq.tokens == toks[: first + 1] and seq.stop_reason == "stop"
     await eng.close()
     await eng2.close()
@@ -288,7 +289,7 @@ async def test_stop_strings(model_dir):
     stop = texts[5][-2:]
     assert stop.strip() != ""
     n = next(n for n in range(1, len(toks) + 1) if stop in texts[n])
-    res = await eng.sample(replace(_greedy(PROMPTS[0], n=12), stop=[stop]))
+    res = await eng.sample(changed(_greedy(PROMPTS[0], n=12), stop=[stop]))
     seq = res.sequences[0]
     assert seq.tokens == toks[:n] and seq.stop_reason == "stop"
     assert stop in tok.decode(seq.tokens)  # the stop string is kept in the output
@@ -297,10 +298,10 @@ async def test_stop_strings(model_dir):
 
 async def test_max_tokens_default_and_length(model_dir):
     eng = _engine(model_dir, max_tokens_default=3)
-    seq = (await eng.sample(SampleJob(prompt=PROMPTS[1], temperature=0.0, stop=[]))).sequences[0]
+    seq = (await eng.sample(sample_job(PROMPTS[1], temperature=0.0, stop=[]))).sequences[0]
     assert len(seq.tokens) == 3 and seq.stop_reason == "length"
     # default is capped at the room left in the context (128)
-    seq = (await eng.sample(SampleJob(prompt=[1] * 126, temperature=0.0, stop=[]))).sequences[0]
+    seq = (await eng.sample(sample_job([1] * 126, temperature=0.0, stop=[]))).sequences[0]
     assert len(seq.tokens) == 2
     await eng.close()
 
@@ -399,16 +400,17 @@ async def test_cancelled_job_leaves_batch(model_dir):
 )
 async def test_bad_inputs_name_the_field(model_dir, changes, field):
     eng = _engine(model_dir, max_num_samples=8)
-    job = replace(SampleJob(prompt=[1, 2, 3], max_tokens=2), **changes)
-    with pytest.raises(UserError) as ei:
-        await eng.sample(job)
-    assert ei.value.field == field and ei.value.category == "user"
+    kw = {"prompt": [1, 2, 3], "max_tokens": 2, **changes}
+    for build in (sample_job, unchecked_job):  # refused as the payload is parsed, or by the engine itself
+        with pytest.raises(UserError) as ei:
+            await eng.sample(build(**kw))
+        assert ei.value.field == field and ei.value.category == "user"
     await eng.close()
 
 
 async def test_stop_string_as_plain_str_and_no_tokenizer(model_dir, tmp_path):
     eng = _engine(model_dir)
-    res = await eng.sample(SampleJob(prompt=[1, 2], max_tokens=2, stop="zzzzzz"))  # a bare str is accepted
+    res = await eng.sample(sample_job([1, 2], max_tokens=2, stop="zzzzzz"))  # a bare str is accepted
     assert len(res.sequences[0].tokens) <= 2
     await eng.close()
     # a model without a tokenizer refuses stop strings but samples otherwise
@@ -417,15 +419,15 @@ async def test_stop_string_as_plain_str_and_no_tokenizer(model_dir, tmp_path):
     eng = _engine(bare)
     assert not eng.limits.has_tokenizer
     with pytest.raises(UserError) as ei:
-        await eng.sample(SampleJob(prompt=[1, 2], max_tokens=2, stop=["x"]))
+        await eng.sample(sample_job([1, 2], max_tokens=2, stop=["x"]))
     assert ei.value.field == "sampling_params.stop"
-    assert len((await eng.sample(SampleJob(prompt=[1, 2], max_tokens=2))).sequences[0].tokens) <= 2
+    assert len((await eng.sample(sample_job([1, 2], max_tokens=2))).sequences[0].tokens) <= 2
     await eng.close()
 
 
 async def test_single_token_prompt_logprobs(model_dir):
     eng = _engine(model_dir)
-    res = await eng.sample(SampleJob(prompt=[7], max_tokens=1, prompt_logprobs=True, topk_prompt_logprobs=2))
+    res = await eng.sample(sample_job([7], max_tokens=1, prompt_logprobs=True, topk_prompt_logprobs=2))
     assert len(res.prompt_logprobs) == 1 and math.isnan(res.prompt_logprobs[0])
     assert res.topk_prompt == ([[0, 0]], [[TOPK_MASK_LOGPROB] * 2])
     assert len(res.sequences[0].tokens) == 1

@@ -1,5 +1,5 @@
 """The vLLM sampler backend's CPU-side parts: adapter conversion (lm_head LoRA), the
-SampleJob -> SamplingParams mapping, and turning vLLM outputs into SampleResults.
+job (the ``sample`` payload) -> SamplingParams mapping, and turning vLLM outputs into SampleResults.
 
 The engine itself needs vLLM and a CUDA GPU; those tests are skipped here with the reason
 (they ran on an H200 through bench/sampler_h200.py: docs/benchmarks.md, "H200 (issue 8)").
@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from functions.sampler.engine import TOPK_MASK_LOGPROB, SampleJob, SampleResult
+from functions.sampler.engine import TOPK_MASK_LOGPROB, SampleResult
 from functions.sampler.backends.vllm import (
     check_supported,
     unsupported_field,
@@ -28,7 +28,9 @@ from functions.sampler.backends.vllm import (
 )
 from functions.trainer.engine import TrainerEngine
 from openrl.errors import ServerError, UserError
+from openrl.contract.payloads import Sample
 from openrl.model.lora import LoraSpec
+from sample_jobs import sample_job  # tests/sample_jobs.py
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
 
@@ -140,10 +142,10 @@ def test_unembed_check_sees_an_engine_that_applies_lm_head_lora_and_one_that_ign
         unembed_applied([], [])
 
 
-def _job(**kw) -> SampleJob:
+def _job(**kw) -> Sample:
     base = dict(prompt=[5, 6, 7, 8], max_tokens=4)
     base.update(kw)
-    return SampleJob(**base)
+    return sample_job(**base)
 
 
 def test_sampling_kwargs_mapping():

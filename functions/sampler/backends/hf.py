@@ -54,9 +54,9 @@ from functions.sampler.types import (
     TOPK_MASK_LOGPROB,
     ModelLimits,
     SampledSequence,
-    SampleJob,
     SampleResult,
 )
+from openrl.contract.payloads import Sample
 from openrl.errors import OpenRLError, ServerError
 from openrl.model.logprobs import logprobs_from_logits
 from openrl.model.lora import MultiLoRAModel, load_peft_adapter
@@ -71,7 +71,7 @@ PROMPT_CHUNK_TOKENS = 1024
 class _Job:
     """Book-keeping of one job inside the backend (event-loop side + worker side)."""
 
-    job: SampleJob
+    job: Sample
     future: asyncio.Future
     stop: StopChecker
     seed: int
@@ -191,8 +191,8 @@ class HFBackend:
 
     # ------------------------------------------------------------------ requests
 
-    async def sample(self, job: SampleJob) -> SampleResult:
-        """Queue a validated job (``max_tokens`` set) and wait for its result.
+    async def sample(self, job: Sample) -> SampleResult:
+        """Queue a validated job (``sampling_params.max_tokens`` set) and wait for its result.
 
         Raises:
             ServerError: the backend is closed or a step failed.
@@ -200,8 +200,9 @@ class HFBackend:
         if self._closed:
             raise ServerError("the sampler backend is closed")
         self._ensure_loop()
-        seed = job.seed if job.seed is not None else secrets.randbits(63)
-        ids, strs = resolve_stop(job.stop, self.limits.eos_token_ids)
+        sp = job.sampling_params
+        seed = sp.seed if sp.seed is not None else secrets.randbits(63)
+        ids, strs = resolve_stop(sp.stop_list, self.limits.eos_token_ids)
         fut = asyncio.get_running_loop().create_future()
         j = _Job(
             job=job,
@@ -316,7 +317,7 @@ class HFBackend:
             if j.future.done():  # caller went away before admission
                 self._pending.pop(0)
                 continue
-            n, p = j.job.num_samples, len(j.job.prompt)
+            n, p = j.job.num_samples, len(j.job.prompt_tokens)
             fits = rows + n <= self.max_batch_rows and tokens + p <= self.max_prefill_tokens
             if not fits and (rows > 0 or admit):
                 break
@@ -386,16 +387,16 @@ class HFBackend:
             self._prefill(group, done)
 
     def _prefill(self, group: list[_Job], done: list[_Job]) -> None:
-        T = max(len(j.job.prompt) for j in group)
+        T = max(len(j.job.prompt_tokens) for j in group)
         G = len(group)
         ids = torch.zeros((G, T), dtype=torch.long)
         mask = torch.zeros((G, T), dtype=torch.long)
         for g, j in enumerate(group):
-            p = j.job.prompt
+            p = j.job.prompt_tokens
             ids[g, T - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[g, T - len(p) :] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        adapters = [j.job.adapter for j in group]
+        adapters = [j.job.model_path for j in group]
         with self.model.use_adapters(adapters):
             hidden, cache = self._forward(ids, mask, pos, None)
             self.steps += 1
@@ -411,7 +412,7 @@ class HFBackend:
         for g, j in enumerate(group):
             for i in range(j.job.num_samples):
                 gen = None
-                if j.job.temperature > 0:
+                if j.job.sampling_params.temperature > 0:
                     gen = torch.Generator(device="cpu").manual_seed(row_seed(j.seed, i))
                 rows.append(_Row(job=j, index=i, gen=gen))
                 src.append(g)
@@ -434,8 +435,8 @@ class HFBackend:
     def _score_prompt(self, j: _Job, hidden: Tensor) -> None:
         """Fill ``j.result``'s prompt-side fields from the prompt's hidden states [P, H]."""
         job = j.job
-        P = len(job.prompt)
-        prompt = torch.tensor(job.prompt, dtype=torch.long, device=hidden.device)
+        P = len(job.prompt_tokens)
+        prompt = torch.tensor(job.prompt_tokens, dtype=torch.long, device=hidden.device)
         want_lp = job.prompt_logprobs
         K = job.topk_prompt_logprobs
         tgt = None
@@ -467,7 +468,7 @@ class HFBackend:
                 g = logprobs_from_logits(logits, t.clamp(min=0), lse)
                 tgt_lps.append(torch.where(t >= 0, g, torch.zeros((), dtype=g.dtype, device=g.device)))
             if alt_k:
-                drawn = draw_k(logits, job.temperature, alt_k, alt_gen)  # [c, k]
+                drawn = draw_k(logits, job.sampling_params.temperature, alt_k, alt_gen)  # [c, k]
                 alt_ids.append(drawn)
                 alt_lps.append(logprobs_from_logits(logits, drawn, lse))
         first = P - job.prompt_logprobs_last_n if job.prompt_logprobs_last_n is not None else 1
@@ -502,7 +503,7 @@ class HFBackend:
         B = len(b.rows)
         ones = torch.ones((B, 1), dtype=b.mask.dtype)
         mask = torch.cat([b.mask, ones], dim=1)
-        adapters = [r.job.job.adapter for r in b.rows]
+        adapters = [r.job.job.model_path for r in b.rows]
         with self.model.use_adapters(adapters):
             hidden, b.cache = self._forward(b.next_tok[:, None], mask, b.pos[:, None], b.cache)
             self.steps += 1
@@ -519,7 +520,7 @@ class HFBackend:
 
         Returns (tokens int64 [R] on CPU, finished flags)."""
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        toks = draw(logits, [r.job.job for r in rows], [r.gen for r in rows]).to(logits.device)
+        toks = draw(logits, [r.job.job.sampling_params for r in rows], [r.gen for r in rows]).to(logits.device)
         lp = logprobs_from_logits(logits, toks[:, None], lse)[:, 0].tolist()
         kmax = max(r.job.job.topk_sample_logprobs for r in rows)
         if kmax:
@@ -539,7 +540,7 @@ class HFBackend:
             reason = None
             if job.stop.check(row.tokens):
                 reason = "stop"
-            elif len(row.tokens) >= job.job.max_tokens:
+            elif len(row.tokens) >= job.job.sampling_params.max_tokens:
                 reason = "length"
             finished.append(reason is not None)
             if reason is not None:

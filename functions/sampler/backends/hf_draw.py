@@ -14,15 +14,15 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from functions.sampler.types import SampleJob
+from openrl.contract.payloads import SamplingParams
 
 
-def draw(logits: Tensor, jobs: Sequence[SampleJob], gens: Sequence[torch.Generator | None]) -> Tensor:
+def draw(logits: Tensor, params: Sequence[SamplingParams], gens: Sequence[torch.Generator | None]) -> Tensor:
     """One token per row.
 
     Args:
         logits: float32 [R, V].
-        jobs: R jobs (``temperature``, ``top_k``, ``top_p`` of each row).
+        params: the ``sampling_params`` of each row's job (``temperature``, ``top_k``, ``top_p``).
         gens: R generators (None for greedy rows, temperature 0).
 
     Returns:
@@ -31,28 +31,28 @@ def draw(logits: Tensor, jobs: Sequence[SampleJob], gens: Sequence[torch.Generat
     """
     R, V = logits.shape
     out = torch.empty(R, dtype=torch.long)
-    greedy = [r for r, j in enumerate(jobs) if j.temperature == 0]
+    greedy = [r for r, j in enumerate(params) if j.temperature == 0]
     if greedy:
         x = logits
         if len(greedy) != R:
             x = logits.index_select(0, torch.tensor(greedy, dtype=torch.long, device=logits.device))
         out[greedy] = x.argmax(dim=-1).cpu()
     plain, filtered = [], []
-    for r, j in enumerate(jobs):
+    for r, j in enumerate(params):
         if j.temperature > 0:
             (filtered if (0 < j.top_k < V or j.top_p < 1.0) else plain).append(r)
     for group, sort in ((plain, False), (filtered, True)):
         if group:
-            out[group] = _draw_group(logits, jobs, gens, group, sort)
+            out[group] = _draw_group(logits, params, gens, group, sort)
     return out
 
 
-def _draw_group(logits: Tensor, jobs: Sequence[SampleJob], gens: Sequence[torch.Generator | None],
+def _draw_group(logits: Tensor, params: Sequence[SamplingParams], gens: Sequence[torch.Generator | None],
                 group: list[int], sort: bool) -> Tensor:
     """Tokens (int64 [n], CPU) for rows ``group`` (temperature > 0) of logits [R, V]."""
     V = logits.shape[1]
     dev = logits.device
-    js = [jobs[r] for r in group]
+    js = [params[r] for r in group]
     temp = torch.tensor([j.temperature for j in js], dtype=torch.float32, device=dev)
     if len(group) != logits.shape[0]:
         logits = logits.index_select(0, torch.tensor(group, dtype=torch.long, device=dev))

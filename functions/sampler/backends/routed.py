@@ -26,8 +26,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from functions.sampler.types import SampleJob, SampleResult, SamplerBackend
+from functions.sampler.types import SampleResult, SamplerBackend
 from functions.sampler.backends.common import sleep_together
+from openrl.contract.payloads import Sample
 from openrl.errors import ServerError
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class RoutedBackend:
             self._in_secondary.discard(key)
             await self._secondary.unload_adapter(key)
 
-    async def _ready_secondary(self, job: SampleJob, reason: str) -> SamplerBackend:
+    async def _ready_secondary(self, job: Sample, reason: str) -> SamplerBackend:
         async with self._lock:
             if self._secondary is None:
                 err = self._secondary_error
@@ -105,7 +106,7 @@ class RoutedBackend:
                     log.error("%s", msg)
                     raise ServerError(msg) from None
             sec = self._secondary
-            key = job.adapter
+            key = job.model_path  # the adapter key
             if key is not None and key not in self._in_secondary:
                 directory = self._dirs.get(key)
                 if directory is None:
@@ -114,7 +115,7 @@ class RoutedBackend:
                 self._in_secondary.add(key)
             return sec
 
-    async def sample(self, job: SampleJob) -> SampleResult:
+    async def sample(self, job: Sample) -> SampleResult:
         """Run ``job`` on the primary, or on the secondary when the primary names a reason.
 
         Raises:

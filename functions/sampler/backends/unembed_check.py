@@ -27,7 +27,8 @@ import shutil
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from functions.sampler.types import SampleJob, SampleResult
+from functions.sampler.types import SampleResult
+from openrl.contract.payloads import Sample, SamplingParams
 from openrl.errors import UserError
 from openrl.model.lora import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, UNEMBED_TARGET
 
@@ -38,6 +39,8 @@ PROBE_LOGIT = 30.0
 MIN_EFFECT = 0.5
 #: prompts the check samples (one greedy token each, under the adapter and under the probe).
 N_PROMPTS = 8
+#: ``base_model`` of the check's jobs: backends ignore it (a backend serves one base model).
+PROBE_BASE_MODEL = "unembed-check"
 
 
 def _lm_head_key(sd: dict, part: str) -> str | None:
@@ -117,7 +120,7 @@ def unembed_applied(under_adapter: list[tuple[int, float]], under_probe: list[tu
 
 
 async def check_unembed(
-    sample: Callable[[SampleJob], Awaitable[SampleResult]],
+    sample: Callable[[Sample], Awaitable[SampleResult]],
     load: Callable[[str, Path], Awaitable[None]],
     unload: Callable[[str], Awaitable[None]],
     key: str,
@@ -139,7 +142,9 @@ async def check_unembed(
         runs: dict[str, list[tuple[int, float]]] = {key: [], probe_key: []}
         for prompt in probe_prompts(vocab_size):
             for k in (key, probe_key):
-                s = (await sample(SampleJob(prompt=prompt, max_tokens=1, temperature=0.0, stop=[], adapter=k))).sequences[0]
+                job = Sample(prompt_tokens=prompt, base_model=PROBE_BASE_MODEL, model_path=k,
+                             sampling_params=SamplingParams(max_tokens=1, temperature=0.0, stop=[]))
+                s = (await sample(job)).sequences[0]
                 runs[k].append((int(s.tokens[0]), float(s.logprobs[0])))
     finally:
         await unload(probe_key)

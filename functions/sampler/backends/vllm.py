@@ -41,8 +41,8 @@ parameters, outputs) in ``vllm_convert.py``; both are re-exported here.
 No vLLM equivalent: ``target_prompt_logprobs`` and ``prompt_alt_tokens_k``;
 :meth:`VLLMBackend.route_reason` names them, and the routed backend sends such jobs to the
 transformers backend (called directly, :meth:`VLLMBackend.sample` refuses them with a
-``UserError`` naming the field). Everything else of ``SampleJob`` maps onto
-``SamplingParams``: stop token ids (EOS handled as one of them, ``ignore_eos=True``, so
+``UserError`` naming the field). Everything else of the job (:class:`openrl.contract.payloads.Sample`)
+maps onto ``SamplingParams``: stop token ids (EOS handled as one of them, ``ignore_eos=True``, so
 ``stop=[]`` really never stops), stop strings (need the model directory's tokenizer),
 ``topk_*_logprobs`` (``logprobs`` / ``prompt_logprobs`` = K, ranks re-sorted), per-sample
 seeds (``seed`` set: one request per sample with seed ``row_seed(seed, i)``, as the
@@ -90,8 +90,9 @@ from functions.sampler.backends.vllm_settings import (
     engine_settings,
 )
 from functions.sampler.stops import resolve_stop
-from functions.sampler.types import SampleJob, SampleResult
+from functions.sampler.types import SampleResult
 from openrl.config import Settings
+from openrl.contract.payloads import Sample
 from openrl.errors import ServerError, UserError
 
 log = logging.getLogger(__name__)
@@ -364,7 +365,7 @@ class VLLMBackend:
 
     name = "vllm"
 
-    def route_reason(self, job: SampleJob) -> str | None:
+    def route_reason(self, job: Sample) -> str | None:
         """Why this backend should not serve ``job`` (the routed backend then gives it to the
         transformers backend), or None: :func:`vllm_convert.route_reason` with this backend's
         adapters that have an unembedding LoRA and its ``unembed_lora`` mode."""
@@ -387,7 +388,7 @@ class VLLMBackend:
 
     # ------------------------------------------------------------------ sampling
 
-    async def sample(self, job: SampleJob) -> SampleResult:
+    async def sample(self, job: Sample) -> SampleResult:
         """Run one validated job; concurrent calls share vLLM's continuous batches.
 
         Raises:
@@ -402,22 +403,23 @@ class VLLMBackend:
             raise ServerError("the sampler backend is closed")
         check_supported(job)
         reason = self.route_reason(job)
-        if reason is not None and job.adapter in self._unembed_keys:
+        if reason is not None and job.model_path in self._unembed_keys:
             raise ServerError(f"{reason}: vLLM would not apply this adapter's lm_head LoRA ({self.unembed_check}); "
                               "the routed sampler backend serves such jobs with transformers")
         lora = None
-        if job.adapter is not None:
-            lora = self._requests.get(job.adapter)
+        if job.model_path is not None:
+            lora = self._requests.get(job.model_path)
             if lora is None:
-                raise ServerError(f"adapter {job.adapter!r} is not loaded in the vLLM backend")
-        ids, strs = resolve_stop(job.stop, self.limits.eos_token_ids)
+                raise ServerError(f"adapter {job.model_path!r} is not loaded in the vLLM backend")
+        params = job.sampling_params
+        ids, strs = resolve_stop(params.stop_list, self.limits.eos_token_ids)
         if strs and not self.limits.has_tokenizer:
             raise UserError("sampling_params.stop", "this model has no tokenizer; use stop token ids")
         base = sampling_kwargs(job, ids, strs)
         want_prompt = bool(job.prompt_logprobs or job.topk_prompt_logprobs)
-        prompt = TokensPrompt(prompt_token_ids=list(job.prompt))
-        if job.seed is not None:
-            specs = [dict(n=1, seed=row_seed(int(job.seed), i)) for i in range(job.num_samples)]
+        prompt = TokensPrompt(prompt_token_ids=list(job.prompt_tokens))
+        if params.seed is not None:
+            specs = [dict(n=1, seed=row_seed(int(params.seed), i)) for i in range(job.num_samples)]
         elif want_prompt and job.num_samples > 1:  # no prompt logprobs through vLLM's parallel sampling
             specs = [dict(n=1, seed=None) for _ in range(job.num_samples)]
         else:

@@ -1,5 +1,5 @@
 """The vLLM backend's CPU-side conversions (no vLLM import): trainer adapters to vLLM-ready
-PEFT directories checked, ``SampleJob`` to ``SamplingParams``
+PEFT directories checked, a job (:class:`openrl.contract.payloads.Sample`) to ``vllm.SamplingParams``
 keyword arguments, vLLM outputs to ``SampleResult`` fields, and the model limits read from
 ``config.json``.
 
@@ -20,9 +20,9 @@ from functions.sampler.types import (
     TOPK_MASK_LOGPROB,
     ModelLimits,
     SampledSequence,
-    SampleJob,
     SampleResult,
 )
+from openrl.contract.payloads import Sample
 from openrl.errors import ServerError, UserError
 from openrl.model.lora import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, UNEMBED_TARGET
 
@@ -72,18 +72,18 @@ def prepare_adapter(src: Path, *, max_rank: int | None = None) -> dict:
 # ---------------------------------------------------------------------------- requests
 
 
-def unsupported_field(job: SampleJob) -> str | None:
+def unsupported_field(job: Sample) -> str | None:
     """The first field of ``job`` that vLLM has no equivalent for (``target_prompt_logprobs``,
     ``prompt_alt_tokens_k``), or None. The sampler routes such jobs to its transformers
     backend (:class:`functions.sampler.backends.routed.RoutedBackend`)."""
-    if job.target_prompt_ids is not None:
+    if job.target_prompt_logprobs:
         return "target_prompt_logprobs"
     if job.prompt_alt_tokens_k:
         return "prompt_alt_tokens_k"
     return None
 
 
-def route_reason(job: SampleJob, unembed_adapters: set[str] | frozenset[str], unembed_mode: str) -> str | None:
+def route_reason(job: Sample, unembed_adapters: set[str] | frozenset[str], unembed_mode: str) -> str | None:
     """Why the vLLM backend should not serve ``job`` exactly, or None. The routed backend
     (:class:`functions.sampler.backends.routed.RoutedBackend`) sends such jobs to its
     transformers backend.
@@ -104,7 +104,7 @@ def route_reason(job: SampleJob, unembed_adapters: set[str] | frozenset[str], un
     field = unsupported_field(job)
     if field is not None:
         return field
-    if job.adapter is not None and job.adapter in unembed_adapters:
+    if job.model_path is not None and job.model_path in unembed_adapters:
         if unembed_mode == "fallback":
             return "lm_head LoRA"
         if job.prompt_logprobs or job.topk_prompt_logprobs:
@@ -112,7 +112,7 @@ def route_reason(job: SampleJob, unembed_adapters: set[str] | frozenset[str], un
     return None
 
 
-def check_supported(job: SampleJob) -> None:
+def check_supported(job: Sample) -> None:
     """Raise ``UserError`` for job fields the vLLM backend cannot serve by itself (see
     :func:`unsupported_field`; the routed backend never sends it such jobs)."""
     field = unsupported_field(job)
@@ -121,14 +121,16 @@ def check_supported(job: SampleJob) -> None:
                         "jobs to its transformers backend)")
 
 
-def sampling_kwargs(job: SampleJob, stop_ids: frozenset[int], stop_strs: tuple[str, ...]) -> dict:
+def sampling_kwargs(job: Sample, stop_ids: frozenset[int], stop_strs: tuple[str, ...]) -> dict:
     """``vllm.SamplingParams`` keyword arguments for one request of ``job`` (``n``, ``seed``
-    and ``prompt_logprobs`` are set by the caller). ``job.max_tokens`` must be an int."""
+    and ``prompt_logprobs`` are set by the caller). ``job.sampling_params.max_tokens`` must be an
+    int (the engine's validated copy)."""
+    sp = job.sampling_params
     return dict(
-        temperature=float(job.temperature),
-        top_p=float(job.top_p),
-        top_k=int(job.top_k) if job.top_k and job.top_k > 0 else 0,
-        max_tokens=int(job.max_tokens),
+        temperature=float(sp.temperature),
+        top_p=float(sp.top_p),
+        top_k=int(sp.top_k) if sp.top_k and sp.top_k > 0 else 0,
+        max_tokens=int(sp.max_tokens),
         ignore_eos=True,  # EOS is in stop_ids unless the job said stop=[]
         stop_token_ids=sorted(stop_ids),
         stop=list(stop_strs) or None,
@@ -181,10 +183,11 @@ def sequence_from_output(out: Any, k: int) -> SampledSequence:
     return SampledSequence(tokens=toks, logprobs=lps, stop_reason=reason, topk=(tk_i, tk_v) if k else None)
 
 
-def prompt_fields(res: SampleResult, job: SampleJob, prompt_lps: Any) -> None:
+def prompt_fields(res: SampleResult, job: Sample, prompt_lps: Any) -> None:
     """Fill ``prompt_logprobs`` / ``topk_prompt`` of ``res`` from vLLM's per-prompt-position
     logprobs (entry 0 None; entry t a dict holding prompt[t] and the top-K)."""
-    P = len(job.prompt)
+    prompt = job.prompt_tokens
+    P = len(prompt)
     K = job.topk_prompt_logprobs
     if prompt_lps is None or len(prompt_lps) != P:
         raise ServerError("vLLM returned no prompt logprobs")
@@ -193,7 +196,7 @@ def prompt_fields(res: SampleResult, job: SampleJob, prompt_lps: Any) -> None:
         vals = [float("nan")]
         for t in range(1, P):
             d = {e[0]: e[1] for e in _entries(prompt_lps[t])}
-            vals.append(d[job.prompt[t]] if t >= first and job.prompt[t] in d else float("nan"))
+            vals.append(d[prompt[t]] if t >= first and prompt[t] in d else float("nan"))
         res.prompt_logprobs = vals
     if K:
         empty_i, empty_v = [0] * K, [TOPK_MASK_LOGPROB] * K
