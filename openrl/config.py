@@ -102,6 +102,9 @@ class Settings(BaseSettings):
     flush_interval_s: float = Field(120.0, ge=0, description="periodic run-state flush interval; 0 = off")
     restore_wait_s: float = Field(10.0, ge=0, description="how long a restore waits for a fresher flush")
     fused_kernels: bool = Field(True, description="the trainer's fused LoRA kernels on CUDA (0 = off)")
+    deterministic: bool = Field(False, description="deterministic mode (issue 33): packing never changes a run's "
+                                "numbers; each datum / sampled sequence runs in its own forward (slower). A "
+                                "registry entry's `deterministic` overrides it per base model")
     trainer_gpus: int = Field(
         1, ge=1, validation_alias=_env("OPENRL_TRAINER_GPUS", "OPENRL_TRAINER_PROCS"),
         description="ranks of one trainer engine (GPUs of this node on CUDA, processes on CPU; "

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from functions.trainer import losses
+from functions.trainer import determinism, losses
 from functions.trainer.mismatch import MismatchStats
 from functions.trainer.memory_plan import ActivationBudget
 from functions.trainer.optim import AdamConfig, RunOptimizer, step_many
@@ -110,6 +110,9 @@ class TrainerEngine(RunStateIO):
         chunk_tokens: tokens per vocabulary-projection chunk (see ``openrl.model.logprobs``).
         fused_kernels: use the fused LoRA kernels on CUDA (:func:`openrl.model.kernels.accelerate_model`);
             None: ``Settings().fused_kernels`` (``$OPENRL_FUSED_KERNELS``, default on).
+        deterministic: the deterministic mode (:mod:`functions.trainer.determinism`): one row per
+            micro-batch in row order, the checkpointed vocabulary projection, deterministic
+            algorithms, no fused kernels; a run's numbers do not depend on the other runs of a pass.
     """
 
     def __init__(
@@ -121,12 +124,14 @@ class TrainerEngine(RunStateIO):
         max_tokens: int = 32768,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         fused_kernels: bool | None = None,
+        deterministic: bool = False,
     ):
         from transformers import AutoModelForCausalLM
 
         with startup.timed("trainer_model_load"):
             base = AutoModelForCausalLM.from_pretrained(str(base_model_dir), dtype=dtype)
-        self._setup(base, Path(base_model_dir), device, max_rows, max_tokens, chunk_tokens, fused_kernels)
+        self._setup(base, Path(base_model_dir), device, max_rows, max_tokens, chunk_tokens, fused_kernels,
+                    deterministic)
 
     @classmethod
     def from_base_model(
@@ -138,16 +143,21 @@ class TrainerEngine(RunStateIO):
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         name: str = "",
         fused_kernels: bool | None = None,
+        deterministic: bool = False,
     ) -> "TrainerEngine":
         """An engine around an already-built causal LM (benchmarks, tests); ``name`` is
         recorded as the base model directory in saved ``run.json`` files."""
         self = cls.__new__(cls)
-        self._setup(base, Path(name), device, max_rows, max_tokens, chunk_tokens, fused_kernels)
+        self._setup(base, Path(name), device, max_rows, max_tokens, chunk_tokens, fused_kernels, deterministic)
         return self
 
     def _setup(self, base, base_model_dir: Path, device, max_rows: int, max_tokens: int, chunk_tokens: int,
-               fused_kernels: bool | None = None) -> None:
+               fused_kernels: bool | None = None, deterministic: bool = False) -> None:
         self.base_model_dir = base_model_dir
+        #: the deterministic mode (functions/trainer/determinism.py)
+        self.deterministic = bool(deterministic)
+        if self.deterministic:
+            determinism.configure(base, torch.device(device))
         with startup.timed("trainer_to_device"):
             base.to(device).eval()
         #: dtype of the frozen base weights (adapters and optimizer state are float32)
@@ -157,7 +167,7 @@ class TrainerEngine(RunStateIO):
         self._patched: str | None = None  # what accelerate_model patched (CUDA with fused kernels only)
         if fused_kernels is None:
             fused_kernels = Settings().fused_kernels
-        if self.device.type == "cuda" and fused_kernels:
+        if self.device.type == "cuda" and fused_kernels and not self.deterministic:
             with startup.timed("trainer_kernels"):
                 self._patched = accelerate_model(base)["patched"]
         self.max_rows = int(max_rows)
@@ -165,7 +175,7 @@ class TrainerEngine(RunStateIO):
         self.chunk_tokens = int(chunk_tokens)
         #: the vocabulary projection's fused logprob path where it applies (False: checkpointed;
         #: ``openrl.model.logprobs.target_logprobs``'s ``fused_head``)
-        self.fused_head = True
+        self.fused_head = not self.deterministic
         cfg = base.config
         #: CUDA: the micro-batch token cap from free memory (functions/trainer/memory_plan.py); None on CPU
         self.budget = ActivationBudget.for_engine(self.device, cfg, self.dtype)
@@ -326,7 +336,10 @@ class TrainerEngine(RunStateIO):
 
     def _plan(self, rows: list[Row]) -> list[list[Row]]:
         """The pass's micro-batches: capped by ``max_tokens`` and, on CUDA, by the tokens the
-        memory left now holds (:class:`~functions.trainer.memory_plan.ActivationBudget`)."""
+        memory left now holds (:class:`~functions.trainer.memory_plan.ActivationBudget`); in the
+        deterministic mode one row each, in row order (:func:`functions.trainer.determinism.plan_rows`)."""
+        if self.deterministic:
+            return determinism.plan_rows(rows)
         if self.budget is None:
             return self._micro_batches(rows)
         cap = min(self.max_tokens, self.budget.cap(any(r.grad for r in rows)))

@@ -112,6 +112,7 @@ class TrainerFunction:
         self.registry = registry or ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
         self.device = resolve_device(cfg.device)
         self.fused_kernels = cfg.fused_kernels
+        self.deterministic = cfg.deterministic  # a registry entry's `deterministic` overrides it per model
         self.load_failures = LoadFailures(cfg.model_retry_s)
         self.trainer_gpus = cfg.trainer_gpus  # > 1: FSDP2 engine over that many ranks (functions/trainer/distributed.py)
         self._limit_gpu_memory(cfg.trainer_gpu_memory)
@@ -183,6 +184,9 @@ class TrainerFunction:
 
         dtypes = sorted({dtype_name(e.dtype) for e in self.engines.values()})
         out = {"device": self.device, "dtype": ",".join(dtypes) if dtypes else "pending", "backend": "torch"}
+        modes = {bool(getattr(e, "deterministic", False)) for e in self.engines.values()}
+        if getattr(self, "deterministic", False) or True in modes:  # issue 33; per model when the registry mixes
+            out["deterministic"] = "on" if modes <= {True} else "mixed"
         failed = describe_failures(self.load_failures)
         if failed:
             out["models_failed"] = failed
@@ -259,7 +263,12 @@ class TrainerFunction:
         with self._engine_load_lock:
             if key not in self.engines:
                 dtype = resolve_dtype(getattr(entry, "dtype", None), self.device)
-                if getattr(self, "trainer_gpus", 1) > 1:
+                det = entry.is_deterministic(getattr(self, "deterministic", False))
+                if det and getattr(self, "trainer_gpus", 1) > 1:
+                    def load():  # the FSDP engine's gradient reductions are not batch-invariant (yet)
+                        raise ValueError("the deterministic mode runs on one trainer GPU for now "
+                                         "(OPENRL_TRAINER_GPUS=1, or turn the mode off for this model)")
+                elif getattr(self, "trainer_gpus", 1) > 1:
                     from functions.trainer.distributed import launch
 
                     def load():
@@ -269,7 +278,7 @@ class TrainerFunction:
                 else:
                     def load():
                         return TrainerEngine(Path(entry.path), device=self.device, dtype=dtype,
-                                             fused_kernels=self.fused_kernels)
+                                             fused_kernels=self.fused_kernels, deterministic=det)
                 self.engines[key] = self.load_failures.load(base_model, key, load)
         return key
 

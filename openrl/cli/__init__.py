@@ -7,7 +7,7 @@ Subcommands::
     openrl models add NAME DIR [--dtype D] [--max-context-length N] / openrl models remove NAME
     openrl serve [--host H] [--port P] [--storage URL] [--no-build] [--model NAME=DIR ...]
                  [--device auto|cpu|cuda] [--trainer-gpu-memory F] [--sampler-gpu-memory F]
-                 [--idle-timeout SECONDS]
+                 [--deterministic] [--idle-timeout SECONDS]
     openrl run [--model NAME=DIR ...] [--idle-timeout SECONDS] SCRIPT [-- ARGS]
     openrl status [--base-url URL] [--api-key KEY] [--json]
     openrl status --cluster [--kubeconfig PATH] [--context C] [--namespace NS] [--nats-url URL] [--json]
@@ -248,6 +248,11 @@ def _add_gpu_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampler-gpu-memory", type=float, default=None, metavar="FRACTION",
                    help="share of the GPU's memory vLLM takes (gpu_memory_utilization: weights, LoRA slots, KV "
                         "cache; default $OPENRL_SAMPLER_GPU_MEMORY, else 0.40)")
+    p.add_argument("--deterministic", action="store_true", default=None,
+                   help="deterministic mode: packing never changes a run's numbers and a seeded sample is the "
+                        "same alone or among others (each datum and each sampled sequence runs in its own "
+                        "forward: slower; default $OPENRL_DETERMINISTIC, else off; a models.toml entry's "
+                        "`deterministic` overrides it per base model)")
 
 
 def _port(text: str) -> int:

@@ -20,6 +20,8 @@ that :mod:`openrl.model.modelbuild` builds at ``<models_dir>/tiny-qwen3``. The e
                                     # (default: true iff path is <models_dir>/tiny-qwen3)
     dtype = "auto"                  # optional: base-weight dtype, one of DTYPE_NAMES
                                     # ("auto" = bfloat16 on CUDA, float32 on CPU; openrl.model.device)
+    deterministic = true            # optional: this model's deterministic mode (issue 33), overriding
+                                    # OPENRL_DETERMINISTIC / --deterministic (ModelEntry.is_deterministic)
 
 ``${OPENRL_HOME}`` expands to the environment variable, or ``~/.openrl`` when it is unset.
 
@@ -58,7 +60,8 @@ DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
 #: File name of the user overlay, next to the models directory (see module docstring).
 OVERLAY_NAME = "models.toml"
 
-_ENTRY_KEYS = {"path", "tokenizer_id", "max_context_length", "trainable", "sampleable", "build", "dtype"}
+_ENTRY_KEYS = {"path", "tokenizer_id", "max_context_length", "trainable", "sampleable", "build", "dtype",
+               "deterministic"}
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
 
@@ -100,6 +103,8 @@ class ModelEntry:
         build: the directory is the offline model that :func:`ensure_built` creates.
         dtype: base-weight dtype name, one of :data:`DTYPE_NAMES` (``"auto"``: bfloat16 on CUDA,
             float32 on CPU; see :func:`openrl.model.device.resolve_dtype`).
+        deterministic: this model's deterministic mode (issue 33): True / False override the
+            server's ``Settings.deterministic``; None (unset) follows it (:meth:`is_deterministic`).
     """
 
     name: str
@@ -110,6 +115,12 @@ class ModelEntry:
     sampleable: bool = True
     build: bool = False
     dtype: str = "auto"
+    deterministic: bool | None = None
+
+    def is_deterministic(self, server_default: bool) -> bool:
+        """Whether this model's trainer and sampler run in the deterministic mode: the entry's
+        ``deterministic`` when set, else ``server_default`` (``Settings.deterministic``)."""
+        return server_default if self.deterministic is None else self.deterministic
 
     def capability(self) -> dict:
         """This entry as a ``supported_models`` item of ``get_server_capabilities``."""
@@ -232,8 +243,12 @@ class ModelRegistry:
                     raise RegistryError(f"{where}.{key}: must be true or false, got {val!r}")
                 flags[key] = val
             dtype = _check_dtype(spec.get("dtype", "auto"), f"{where}.dtype")
+            det = spec.get("deterministic")
+            if det is not None and not isinstance(det, bool):
+                raise RegistryError(f"{where}.deterministic: must be true or false, got {det!r}")
             entries[name] = ModelEntry(
-                name=name, path=path, tokenizer_id=str(tok), max_context_length=mcl, dtype=dtype, **flags
+                name=name, path=path, tokenizer_id=str(tok), max_context_length=mcl, dtype=dtype,
+                deterministic=det, **flags
             )
         return cls(entries, models_dir=models_dir, source=source)
 

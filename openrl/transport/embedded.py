@@ -90,6 +90,7 @@ class Stack:
     device: str | None = None  # --device: auto | cpu | cuda (None: $OPENRL_DEVICE, else auto)
     trainer_gpu_memory: float | None = None  # --trainer-gpu-memory (None: env, else TRAINER_GPU_MEMORY)
     sampler_gpu_memory: float | None = None  # --sampler-gpu-memory (None: env, else SAMPLER_GPU_MEMORY)
+    deterministic: bool | None = None  # --deterministic (None: $OPENRL_DETERMINISTIC, else off)
     preload: list[str] = field(default_factory=list)  # base models the workers load at start (--model names)
     supervise: bool = False  # restart dead processes, scale idle workers to zero (openrl serve / run)
     idle_timeout: float = 0.0  # --idle-timeout: seconds a worker may idle before it stops (supervise; 0 = never)
@@ -143,6 +144,8 @@ class Stack:
         }
         if self.device:
             env["OPENRL_DEVICE"] = self.device
+        if self.deterministic is not None:
+            env["OPENRL_DETERMINISTIC"] = "1" if self.deterministic else "0"
         if self.sleep_after is not None:
             env["OPENRL_SLEEP_AFTER"] = str(self.sleep_after)
         if self.preload:  # the models named with --model: load them (and start vLLM) before the first request
@@ -458,6 +461,7 @@ def _stack_from_args(args) -> Stack:
                  build=not getattr(args, "no_build", False), push=bool(getattr(args, "push", False)),
                  device=getattr(args, "device", None), trainer_gpu_memory=getattr(args, "trainer_gpu_memory", None),
                  sampler_gpu_memory=getattr(args, "sampler_gpu_memory", None),
+                 deterministic=getattr(args, "deterministic", None),
                  preload=[name for name, _ in getattr(args, "model", None) or []], supervise=True,
                  idle_timeout=cfg.idle_timeout if idle is None else float(idle),
                  sleep_after=float(sleep_after))
