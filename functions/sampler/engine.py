@@ -71,6 +71,9 @@ class SamplerEngine:
         max_num_samples: most sequences per job.
         max_topk: most top-K width for ``topk_*_logprobs`` and ``prompt_alt_tokens_k``.
         backend: ``"auto"`` | ``"hf"`` | ``"vllm"`` or a ready ``SamplerBackend``.
+        deterministic: the deterministic mode (issue 33; :func:`make_backend`): a seeded job's
+            tokens and logprobs do not depend on the other jobs. With a ready backend its own
+            ``deterministic`` attribute counts.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class SamplerEngine:
         max_num_samples: int = 128,
         max_topk: int = 20,
         backend: str | SamplerBackend = "auto",
+        deterministic: bool = False,
     ):
         if isinstance(backend, str):
             backend = make_backend(
@@ -95,8 +99,11 @@ class SamplerEngine:
                 dtype=dtype,
                 max_batch_rows=max_batch_rows,
                 max_context=max_context,
+                deterministic=deterministic,
             )
         self.backend: SamplerBackend = backend
+        #: the deterministic mode (issue 33): the backend's own flag when it has one
+        self.deterministic = bool(getattr(backend, "deterministic", deterministic))
         self.limits: ModelLimits = backend.limits
         self.adapter_cache_size = max(1, int(adapter_cache_size))
         self.max_tokens_default = None if max_tokens_default is None else int(max_tokens_default)

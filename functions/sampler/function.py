@@ -86,6 +86,7 @@ class SamplerFunction:
         self.registry = registry or ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
         self.device = resolve_device(cfg.device)
         self.backend = cfg.sampler_backend
+        self.deterministic = cfg.deterministic  # a registry entry's `deterministic` overrides it per model
         self.compile_cache = CompileCacheSync(self.storage, self.device,
                                               compile_cache.enabled(cfg.compile_cache_sync, cfg.storage_url))
         self.load_failures = LoadFailures(cfg.model_retry_s)
@@ -146,6 +147,9 @@ class SamplerFunction:
                 out["routed"] = ", ".join(f"{k}: {v}" for k, v in sorted(info["routed"].items()))
             if info.get("secondary_error"):
                 out["fallback_error"] = info["secondary_error"]
+        modes = {bool(getattr(e, "deterministic", False)) for e in engines}
+        if getattr(self, "deterministic", False) or True in modes:  # issue 33; per model when the registry mixes
+            out["deterministic"] = "on" if modes <= {True} else "mixed"
         cc = self.compile_cache.describe()  # OPENRL_COMPILE_CACHE_SYNC
         if cc:
             out["compile_cache"] = cc
@@ -183,7 +187,8 @@ class SamplerFunction:
                 try:
                     with startup.timed("sampler_engine_start"):  # vLLM: load + torch.compile + CUDA graphs
                         engine = await asyncio.to_thread(
-                            SamplerEngine, Path(entry.path), device=self.device, dtype=dtype, backend=self.backend)
+                            SamplerEngine, Path(entry.path), device=self.device, dtype=dtype, backend=self.backend,
+                            deterministic=entry.is_deterministic(getattr(self, "deterministic", False)))
                 except Exception as exc:  # noqa: BLE001 - any load error fails this model only
                     raise self.load_failures.record(base_model, key, exc) from exc
                 engine.dtype = dtype

@@ -30,6 +30,7 @@ def make_backend(
     dtype: torch.dtype = torch.float32,
     max_batch_rows: int | None = None,
     max_context: int | None = None,
+    deterministic: bool = False,
 ) -> SamplerBackend:
     """Build a backend by name.
 
@@ -43,10 +44,18 @@ def make_backend(
         max_batch_rows: most sequences decoded together; None = the backend's default
             (transformers 64; vLLM 256 or ``$OPENRL_SAMPLER_MAX_NUM_SEQS``, so that 128
             concurrent samples share one decode batch).
+        deterministic: the deterministic mode (issue 33): transformers with every sequence
+            decoded alone (:mod:`functions.sampler.backends.hf_solo`); ``"auto"`` then picks
+            transformers (vLLM's batch-invariant mode is not wired in yet).
 
     Raises:
-        ValueError: unknown ``kind``.
+        ValueError: unknown ``kind``, or ``"vllm"`` in the deterministic mode.
     """
+    if deterministic:
+        if kind == "vllm":
+            raise ValueError("the deterministic mode samples with the transformers backend for now: set "
+                             "OPENRL_SAMPLER_BACKEND=hf (or auto), or turn the mode off for this model")
+        kind = "hf"
     if kind == "auto":
         use_vllm = (
             device != "cpu"
@@ -61,7 +70,7 @@ def make_backend(
     if kind == "hf":
         from functions.sampler.backends.hf import HFBackend
 
-        return HFBackend(base_model_dir, **kwargs)
+        return HFBackend(base_model_dir, deterministic=deterministic, **kwargs)
     if kind == "vllm":
         from functions.sampler.backends.routed import RoutedBackend
 

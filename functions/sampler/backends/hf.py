@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from functions.sampler.backends.common import load_tokenizer, row_seed, token_ids
+from functions.sampler.backends import hf_solo
 from functions.sampler.backends.hf_batch import RunningBatch, select_cache_rows
 from functions.sampler.backends.hf_draw import draw, draw_k
 from functions.sampler.stops import StopChecker, resolve_stop
@@ -112,6 +113,9 @@ class HFBackend:
         batch_window_s: how long the loop waits, when it wakes from idle, for more jobs to
             arrive before the first step (seconds).
         tokenizer: a tokenizer to use instead of loading one from ``base_model_dir``.
+        deterministic: the deterministic mode (``hf_solo.py``): each job prefilled alone and each
+            sequence decoded in its own forward, so a seeded request is bitwise the same alone or
+            among others (slower; ``max_batch_rows`` still caps the rows running at once).
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class HFBackend:
         max_prefill_tokens: int = 8192,
         batch_window_s: float = 0.003,
         tokenizer: Any = None,
+        deterministic: bool = False,
     ):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -164,6 +169,8 @@ class HFBackend:
         self.batch_window_s = float(batch_window_s)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openrl-hf-sampler")
         self._batch = RunningBatch()  # worker thread only
+        self.deterministic = bool(deterministic)
+        self._solos: list[RunningBatch] = []  # the mode's one-row batches (worker thread only)
         self._pending: list[_Job] = []  # event loop only, FIFO
         self._running: set[_Job] = set()  # admitted and not finished (event loop only)
         self._active_rows = 0
@@ -272,7 +279,7 @@ class HFBackend:
             self._pending.clear()
             self._running.clear()
             self._active_rows = 0
-            self._batch = RunningBatch()
+            self._reset_batch()
         self._loop = loop
         self._wake = asyncio.Event()
         self._task = loop.create_task(self._run(), name="openrl-hf-sampler-loop")
@@ -335,6 +342,7 @@ class HFBackend:
 
     def _reset_batch(self) -> None:
         self._batch = RunningBatch()
+        self._solos = []
 
     # ------------------------------------------------------------------ worker thread
 
@@ -345,6 +353,8 @@ class HFBackend:
         Returns:
             (jobs completed in this step, rows still running).
         """
+        if self.deterministic:
+            return hf_solo.step(self, admit, cancelled)
         done: list[_Job] = []
         b = self._batch
         if cancelled and b.rows:
@@ -564,8 +574,10 @@ class HFBackend:
         b.keep(keep, self.device)
 
     def _merge(self, new: RunningBatch) -> None:
-        """Append ``new``'s rows to the running batch."""
-        if not self._batch.rows:
+        """Append ``new``'s rows to the running batch (the mode: as one-row batches)."""
+        if self.deterministic:
+            self._solos.extend(hf_solo.split_rows(new))
+        elif not self._batch.rows:
             self._batch = new
         else:
             self._batch.merge(new)
