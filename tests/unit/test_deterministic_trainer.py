@@ -178,3 +178,29 @@ def test_mode_plans_one_row_per_micro_batch_in_row_order(micro_model_dir):
     assert [len(mb) for mb in plan] == [1] * len(rows)
     assert [(mb[0].item, mb[0].datum) for mb in plan] == [(r.item, r.datum) for r in rows]
     assert [(r.item, r.datum) for r in rows] == sorted((r.item, r.datum) for r in rows)
+
+
+def test_setting_flag_and_registry_override(tmp_path, monkeypatch):
+    """``OPENRL_DETERMINISTIC``, ``openrl serve --deterministic`` (the stack's workers'
+    environment) and a registry entry's ``deterministic`` (overrides the server setting)."""
+    from openrl.cli import build_parser
+    from openrl.config import Settings
+    from openrl.errors import RegistryError
+    from openrl.model.registry import ModelRegistry
+    from openrl.transport.embedded import Stack, _stack_from_args
+
+    monkeypatch.delenv("OPENRL_DETERMINISTIC", raising=False)
+    assert Settings().deterministic is False
+    monkeypatch.setenv("OPENRL_DETERMINISTIC", "1")
+    assert Settings().deterministic is True
+    monkeypatch.delenv("OPENRL_DETERMINISTIC")
+    args = build_parser().parse_args(["serve", "--deterministic"])
+    assert _stack_from_args(args).env()["OPENRL_DETERMINISTIC"] == "1"
+    assert "OPENRL_DETERMINISTIC" not in Stack(state_dir=tmp_path, storage="file:///x").env()
+    reg = ModelRegistry.from_dict({"models": {"on": {"path": "x", "deterministic": True},
+                                              "off": {"path": "x", "deterministic": False},
+                                              "server": {"path": "x"}}}, models_dir=tmp_path)
+    assert [reg.resolve(n).is_deterministic(False) for n in ("on", "off", "server")] == [True, False, False]
+    assert [reg.resolve(n).is_deterministic(True) for n in ("on", "off", "server")] == [True, False, True]
+    with pytest.raises(RegistryError, match="deterministic"):
+        ModelRegistry.from_dict({"models": {"m": {"path": "x", "deterministic": "yes"}}}, models_dir=tmp_path)
