@@ -109,9 +109,11 @@ async def test_seeded_request_alone_equals_among_others(model_dir, adapter_dirs)
 
 async def test_mode_off_is_not_exact_here(model_dir, adapter_dirs):
     """Control: outside the mode the rows share padded, batched forwards, and at least one
-    logprob moves (so the test above can fail)."""
+    logprob moves here (so the test above can fail). Skipped, not failed, on a CPU whose
+    kernels happen to give the same bits (the product promises nothing outside the mode)."""
     alone, among, late = await _alone_and_among(model_dir, adapter_dirs, deterministic=False)
-    assert among != alone or late != alone
+    if among == alone and late == alone:  # the CPU's kernels may give the same bits: nothing to show then
+        pytest.skip("batched decoding happened to be exact on this CPU without the mode")
 
 
 async def test_mode_decodes_each_sequence_in_its_own_forward(model_dir, adapter_dirs):

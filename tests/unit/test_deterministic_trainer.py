@@ -160,12 +160,16 @@ def test_forward_equals_forward_backward_logprobs(micro_model_dir):
 
 def test_mode_off_is_not_exact_here(micro_model_dir):
     """Control: without the mode the same packed pass pads run ``a``'s rows to the longest row
-    of the micro-batch and reorders them, and its numbers move (so the tests above can fail)."""
+    of the micro-batch and reorders them, and its numbers move here (so the tests above can fail).
+    Skipped, not failed, on a CPU whose kernels happen to give the same bits (the product
+    promises nothing outside the mode)."""
     target = _target_item()
     alone, _ = _train(_engine(micro_model_dir, deterministic=False), [target], 0, steps=1)
     items, at = _packed(target, 3)
     packed, _ = _train(_engine(micro_model_dir, deterministic=False), items, at, steps=1)
     (la, lpa, ga), (lb, lpb, gb) = alone[0], packed[0]
+    if (la, lpa, ga) == (lb, lpb, gb):  # the CPU's BLAS may block these shapes alike: nothing to show then
+        pytest.skip("packing happened to be exact on this CPU without the mode")
     assert (la, lpa, ga) != (lb, lpb, gb)
 
 
