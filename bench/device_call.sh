@@ -35,6 +35,7 @@ STEPS=(
   "engine-rl-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, then bench/cobatch_h200.py --sections rl: the trainer's share of one RL step (1 and 8 runs x 16 datums x 191 tokens: forward_backward, optim_step_many, snapshot packing, per-row cost, micro-batch caps, torch.profiler splits by the engine's ranges; with OPENRL_TRAINER_GPU_MEMORY set: capped at the stack trainer's share, the memory budget vs the old halving instead of the caps); RL_ARGS; out: cobatch.jsonl, profile_rl_*.txt, logsE.tgz; AB_ENV=\"VAR=value ...\": the probe again with it set, same job (out: ab/)"
   "engine-sleep-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, then bench/residency_probe.py: the trainer's idle sleep on the GPU (Qwen3-4B shapes, 8 rank-32 runs with gradients and AdamW moments: bytes freed, offload and reload seconds, memory before / asleep / awake, every tensor bit for bit after the round trip); SLEEP_ARGS; out: res/residency.jsonl, logsZ.tgz"
   "engine-probes|.gpu||fresh machine, no vLLM (one call, one start): engine-rl-probe (RL_ARGS, AB_ENV) then engine-sleep-probe (SLEEP_ARGS); out: both steps' outputs"
+  "determinism|.gpu||fresh machine, no vLLM (one call): issue 33's deterministic mode on the GPU: bench/determinism_probe.py (the engine: run a alone vs packed with 1 and 3 other runs, mode on and off; PROBE_S, default 150 s), then conform-R's flow with OPENRL_DETERMINISTIC=1 (openrl serve in the mode, transformers sampler) and DETFILES (default test_deterministic_stack test_e2e_sdk test_batch_invariance); out: determinism.jsonl, R/, logsR.tgz"
   "conform-R|.gpu|bench/conform_call.sh R|one call on a fresh machine, no vLLM: conform-A's set-up, then RFILES (filtered by RK) against a transformers-sampler stack; out: R/, logsR.tgz"
 )
 
@@ -424,7 +425,9 @@ step_conform() {  # X: A|B|C|D|R (after stack_env.sh is sourced)
   X=$1
   NAME="Qwen/Qwen3-4B-Instruct-2507"
   S_HF=$WORK/conf-hf; S_VL=$WORK/conf-vllm
-  COMMIT=$(cat .gpu/COMMIT 2>/dev/null | tr '\n' ' ' || echo unknown)
+  # the code's commit: COMMIT=$(git rev-parse HEAD) in the call's command (the payload's .gpu/COMMIT names the
+  # commit the payload was built at, which is older when code changed after it)
+  COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || cat .gpu/COMMIT 2>/dev/null | tr '\n' ' ' || echo unknown)}
   L=$WORK/logs$X; rm -rf "$L"; mkdir -p "$L"
   el "call $X start"
   if [ "$DRY" = 1 ]; then
@@ -529,6 +532,20 @@ step_conform() {  # X: A|B|C|D|R (after stack_env.sh is sourced)
   esac
 }
 
+# determinism: issue 33's deterministic mode on one GPU, one call on a fresh machine: the engine probe, then the
+# SDK-level tests against openrl serve started with OPENRL_DETERMINISTIC=1 (test_deterministic_stack runs
+# against an external stack only when its trainer reports the mode).
+step_determinism() {
+  local tiny; engine_setup "$WORK/logsM"
+  timeout -k 15 "${PROBE_S:-150}" "$PY" bench/determinism_probe.py --out "$O/determinism.jsonl" ${PROBE_ARGS:-} \
+    > "$L/probe.log" 2>&1; el "determinism probe rc=$?"
+  grep '^{' "$L/probe.log" | cut -c1-600
+  grep -v -E "^\s+(File|\^)" "$L/probe.log" | grep -i -E -B2 -A8 "Traceback" | head -20
+  pack_logs logsM "$L"
+  export OPENRL_DETERMINISTIC=1
+  RFILES=${DETFILES:-test_deterministic_stack test_e2e_sdk test_batch_invariance} step_conform R
+}
+
 # ---- dispatch --------------------------------------------------------------------------------------------
 case ${1:---list} in
   --list|-l|-h|--help) list_steps; exit 0 ;;
@@ -544,4 +561,5 @@ case $STEP in
   sampler-hf-vllm) step_sampler_hf_vllm "$@" ;;
   stack-*|engine-*) source bench/stack_env.sh; "step_${STEP//-/_}" "$@" ;;
   conform-*) source bench/stack_env.sh; step_conform "${STEP#conform-}" ;;
+  determinism) source bench/stack_env.sh; step_determinism ;;
 esac

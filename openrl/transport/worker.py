@@ -103,7 +103,7 @@ def function_of_consumer(consumer: str) -> tuple[str, int | None]:
 
 
 #: ``describe()`` keys copied into a worker record's ``details`` (shown by ``openrl status``).
-DETAIL_KEYS = ("kernels", "unembed", "routed", "fallback_error", "gpu_memory")
+DETAIL_KEYS = ("kernels", "unembed", "routed", "fallback_error", "gpu_memory", "deterministic")
 
 
 def describe(fn) -> dict:

@@ -2,16 +2,25 @@
 ``Stack(deterministic=True)`` (what ``openrl serve --deterministic`` builds; ``OPENRL_DETERMINISTIC=1``
 in the workers' environment). Two runs trained concurrently give the same ``loss:sum`` and
 logprobs, step by step, as the same run trained alone: bitwise (CPU, float32), whether or not
-the trainer packed their requests into one pass.
+the trainer packed their requests into one pass; ``/api/v1/status`` shows the mode.
+
+Against an external stack (the GPU conformance run, ``OPENRL_TEST_STACK_STATE``) the same test
+runs when that serve's trainer reports the mode (``openrl serve --deterministic`` or
+``OPENRL_DETERMINISTIC=1``: ``bash bench/device_call.sh determinism``), and skips otherwise.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import tinker
 from tinker import types
 
-from conftest import BASE_MODEL, _make_stack
+import httpx
+
+from conftest import BASE_MODEL, EXTERNAL, _make_stack
+from external_stack import ExternalStack, skip_reason
 
 A = [9707, 1879, 11, 419, 374, 264, 1273, 315, 279, 11691, 9128, 13]
 B = [(37 * i) % 5000 + 200 for i in range(29)]
@@ -24,11 +33,25 @@ def _datum(tokens: list[int]) -> types.Datum:
                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
 
 
+def trainer_modes(stack, api_key: str) -> list[str | None]:
+    """What ``/api/v1/status`` says of each trainer worker's mode: ``details.deterministic``
+    ("on", "mixed", or None when the mode is off)."""
+    st = httpx.get(f"{stack.base_url}/api/v1/status", headers={"X-API-Key": api_key}, timeout=10).json()
+    return [(w.get("details") or {}).get("deterministic") for w in st["workers"] if w["function"] == "trainer"]
+
+
 @pytest.fixture(scope="module")
 def det_stack(tmp_path_factory, models_dir):
+    if EXTERNAL is not None:
+        s = ExternalStack.from_state(EXTERNAL)
+        if "on" not in trainer_modes(s, s.api_key):
+            pytest.skip(skip_reason("its trainer does not run the deterministic mode (openrl serve --deterministic)"))
+        yield s
+        return
     s = _make_stack(tmp_path_factory, models_dir, deterministic=True).start()
     yield s
     s.stop()
+
 
 
 def _train(clients_and_data, steps: int = STEPS):
@@ -56,3 +79,12 @@ def test_concurrent_runs_equal_the_run_alone(det_stack, api_key):
     packed, _ = _train([(twin, data), (other, [_datum(B), _datum(C), _datum(A)])])
     assert packed == solo
     assert solo[0][0] != solo[-1][0]  # training moved the loss
+
+
+def test_status_shows_the_mode(det_stack, api_key):
+    """After the training above the trainer has pulled and written its worker record; its record
+    refreshes while it runs, so this waits (up to 60 s) for one that lists the trainer."""
+    deadline = time.monotonic() + 60
+    while not (modes := trainer_modes(det_stack, api_key)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert modes and set(modes) == {"on"}
