@@ -32,6 +32,7 @@ STEPS = {
     "engine-rl-probe": [".gpu"],
     "engine-sleep-probe": [".gpu"],
     "engine-probes": [".gpu"],
+    "determinism": [".gpu"],
 }
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
