@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from functions.sampler.types import ModelLimits, SampledSequence, SampleResult
 from openrl.contract.payloads import Sample, SamplingParams
 
 #: ``base_model`` of the tests' jobs (backends ignore it: a backend serves one base model).
@@ -46,6 +47,22 @@ def changed(job: Sample, **fields: Any) -> Sample:
     flat |= {k: getattr(job.sampling_params, k) for k in job.sampling_params.model_fields_set}
     flat |= {"prompt": job.prompt_tokens, "adapter": job.model_path} | fields
     return sample_job(**flat)
+
+
+class RecordingBackend:
+    """A ``SamplerBackend`` stand-in (vLLM needs CUDA): records each validated job it is given in
+    ``jobs`` and answers one empty sequence."""
+
+    def __init__(self, limits: ModelLimits):
+        self.limits = limits
+        self.jobs: list[Sample] = []
+
+    async def sample(self, job: Sample) -> SampleResult:
+        self.jobs.append(job)
+        return SampleResult(sequences=[SampledSequence(tokens=[], logprobs=[], stop_reason="length")])
+
+    async def close(self) -> None:
+        pass
 
 
 def _data(prompt: list[int], adapter: str | None, target_prompt_ids: list[list[int]] | None,

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from functions.sampler.backends.vllm import sampling_kwargs
-from functions.sampler.engine import ModelLimits, SampleResult, SampledSequence, SamplerEngine
+from functions.sampler.engine import ModelLimits, SamplerEngine
 from functions.sampler.stops import resolve_stop
 from micro_model import write_micro_qwen3  # tests/micro_model.py
 from openrl.contract.payloads import Sample
-from sample_jobs import sample_job  # tests/sample_jobs.py
+from sample_jobs import RecordingBackend, sample_job  # tests/sample_jobs.py
 from openrl.errors import UserError
 from openrl.model.registry import ModelRegistry, split_peft_suffix
 
@@ -52,24 +52,9 @@ async def test_omitted_max_tokens_runs_to_the_end_of_the_context(model_dir):
         await capped.close()
 
 
-class _RecordingBackend:
-    """Stands in for vLLM (no CUDA here): records the validated job, answers one empty sequence."""
-
-    def __init__(self, limits: ModelLimits):
-        self.limits = limits
-        self.jobs: list[Sample] = []
-
-    async def sample(self, job):
-        self.jobs.append(job)
-        return SampleResult(sequences=[SampledSequence(tokens=[], logprobs=[], stop_reason="length")])
-
-    async def close(self):
-        pass
-
-
 async def test_vllm_gets_the_room_left_for_an_omitted_max_tokens():
     limits = ModelLimits(vocab_size=1000, max_context=2048, eos_token_ids=frozenset({2}), has_tokenizer=False)
-    backend = _RecordingBackend(limits)
+    backend = RecordingBackend(limits)
     eng = SamplerEngine(Path("unused"), backend=backend)
     await eng.sample(sample_job(list(range(10, 58))))
     job = backend.jobs[-1]

@@ -20,10 +20,10 @@ from pydantic import BaseModel
 
 from functions.sampler.backends import vllm_convert
 from functions.sampler.backends.hf import HFBackend
-from functions.sampler.engine import ModelLimits, SampledSequence, SampleResult, SamplerEngine
+from functions.sampler.engine import ModelLimits, SampleResult, SamplerEngine
 from micro_model import write_micro_qwen3  # tests/micro_model.py
 from openrl.contract.payloads import Sample, SamplingParams
-from sample_jobs import sample_job  # tests/sample_jobs.py
+from sample_jobs import RecordingBackend, sample_job  # tests/sample_jobs.py
 
 #: the event's data format: every key a fully set ``sample`` payload carries (unchanged names)
 EVENT_KEYS = {"prompt_tokens", "base_model", "model_path", "num_samples", "sampling_params", "sampling_session_id",
@@ -126,21 +126,6 @@ async def test_backends_read_the_payload_fields_and_nothing_else(tmp_path, monke
     assert read == want, f"never read: {sorted(want - read)}"
 
 
-class _Recording:
-    """A backend that only records the job it is given."""
-
-    def __init__(self):
-        self.limits = ModelLimits(vocab_size=100, max_context=64, eos_token_ids=frozenset({2}), has_tokenizer=True)
-        self.jobs: list[Sample] = []
-
-    async def sample(self, job):
-        self.jobs.append(job)
-        return SampleResult(sequences=[SampledSequence(tokens=[], logprobs=[], stop_reason="length")])
-
-    async def close(self):
-        pass
-
-
 @pytest.mark.parametrize("stop, max_tokens", [([5, 6], 7), ("\n\nUser:", None)])
 def test_a_sample_reaches_the_backend_as_it_was_sent(stop, max_tokens):
     sent = Sample(prompt_tokens=[3, 1, 4, 1, 5], base_model="b", model_path="tinker://r/sampler_weights/s",
@@ -155,7 +140,8 @@ def test_a_sample_reaches_the_backend_as_it_was_sent(stop, max_tokens):
     got = Sample.parse(data)  # the sampler Function's side of the event
     assert got == sent and got.to_data() == data
     assert got.target_prompt_ids == [[1, -1], [2, 3], [4, -1], [5, 6]]
-    backend = _Recording()
+    backend = RecordingBackend(ModelLimits(vocab_size=100, max_context=64, eos_token_ids=frozenset({2}),
+                                           has_tokenizer=True))
     engine = SamplerEngine(Path("unused"), backend=backend)
     asyncio.run(engine.sample(got.model_copy(update={"model_path": None})))
     job = backend.jobs[-1]
