@@ -88,3 +88,24 @@ def test_status_shows_the_mode(det_stack, api_key):
     while not (modes := trainer_modes(det_stack, api_key)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert modes and set(modes) == {"on"}
+
+
+def test_sampler_logprobs_equal_the_trainers(det_stack, api_key):
+    """Issue 33 item 2: in the mode the logprob the sampler reports for each sampled token equals,
+    bit for bit, the trainer's forward logprob of that token in the datum an RL loop builds from
+    the sample (``prompt + tokens``), for an adapter that training moved, over several seeded
+    samples of other lengths; ``kl_sample_train`` is then exactly 0."""
+    svc = tinker.ServiceClient(base_url=det_stack.base_url, api_key=api_key)
+    tc = svc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=43).result()
+    _train([(tc, [_datum(A), _datum(B)])], steps=2)
+    sc = tc.save_weights_and_get_sampling_client().result()
+    prompt = A[:7]
+    res = sc.sample(types.ModelInput.from_ints(prompt), num_samples=3,
+                    sampling_params=types.SamplingParams(max_tokens=9, temperature=1.0, seed=5)).result()
+    seqs = [s for s in res.sequences if s.tokens]
+    assert seqs and all(s.logprobs is not None and len(s.logprobs) == len(s.tokens) for s in seqs)
+    data = [_datum(prompt + list(s.tokens)) for s in seqs]
+    out = tc.forward(data, "cross_entropy").result()
+    for s, o in zip(seqs, out.loss_fn_outputs):
+        trainer = o["logprobs"].tolist()[len(prompt) - 1:]
+        assert list(s.logprobs) == trainer

@@ -59,6 +59,7 @@ from functions.sampler.types import (
 )
 from openrl.contract.payloads import Sample
 from openrl.errors import OpenRLError, ServerError
+from openrl.model.determinism import configure as configure_deterministic
 from openrl.model.logprobs import logprobs_from_logits
 from openrl.model.lora import MultiLoRAModel, load_peft_adapter
 
@@ -115,7 +116,9 @@ class HFBackend:
         tokenizer: a tokenizer to use instead of loading one from ``base_model_dir``.
         deterministic: the deterministic mode (``hf_solo.py``): each job prefilled alone and each
             sequence decoded in its own forward, so a seeded request is bitwise the same alone or
-            among others (slower; ``max_batch_rows`` still caps the rows running at once).
+            among others, and each finished sequence's logprobs scored as the trainer scores the
+            datum ``prompt + tokens`` (slower; ``max_batch_rows`` still caps the rows running at
+            once).
     """
 
     def __init__(
@@ -141,6 +144,8 @@ class HFBackend:
             raise ValueError("the transformers sampler backend supports full-attention models only")
         self.model = MultiLoRAModel(base)
         self.device = torch.device(device)
+        if deterministic:  # the trainer's switches (eager attention on CUDA): the same kernels as its forward
+            configure_deterministic(base, self.device)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         if tokenizer is None:
             tokenizer = load_tokenizer(base_model_dir)
@@ -556,7 +561,7 @@ class HFBackend:
             if reason is not None:
                 job.seqs[row.index] = SampledSequence(
                     tokens=row.tokens,
-                    logprobs=row.logprobs,
+                    logprobs=hf_solo.rescore(self, row) if self.deterministic else row.logprobs,
                     stop_reason=reason,
                     topk=(row.topk_ids, row.topk_lps) if k else None,
                 )
