@@ -35,7 +35,7 @@ STEPS=(
   "engine-rl-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, then bench/cobatch_h200.py --sections rl: the trainer's share of one RL step (1 and 8 runs x 16 datums x 191 tokens: forward_backward, optim_step_many, snapshot packing, per-row cost, micro-batch caps, torch.profiler splits by the engine's ranges; with OPENRL_TRAINER_GPU_MEMORY set: capped at the stack trainer's share, the memory budget vs the old halving instead of the caps); RL_ARGS; out: cobatch.jsonl, profile_rl_*.txt, logsE.tgz; AB_ENV=\"VAR=value ...\": the probe again with it set, same job (out: ab/)"
   "engine-sleep-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, then bench/residency_probe.py: the trainer's idle sleep on the GPU (Qwen3-4B shapes, 8 rank-32 runs with gradients and AdamW moments: bytes freed, offload and reload seconds, memory before / asleep / awake, every tensor bit for bit after the round trip); SLEEP_ARGS; out: res/residency.jsonl, logsZ.tgz"
   "engine-probes|.gpu||fresh machine, no vLLM (one call, one start): engine-rl-probe (RL_ARGS, AB_ENV) then engine-sleep-probe (SLEEP_ARGS); out: both steps' outputs"
-  "determinism|.gpu||fresh machine, no vLLM (one call): issue 33's deterministic mode on the GPU: bench/determinism_probe.py (the engine: run a alone vs packed with 1 and 3 other runs, mode on and off; PROBE_S, default 150 s), then conform-R's flow with OPENRL_DETERMINISTIC=1 (openrl serve in the mode, transformers sampler) and DETFILES (default test_deterministic_stack test_e2e_sdk test_batch_invariance); out: determinism.jsonl, R/, logsR.tgz"
+  "determinism|.gpu||fresh machine, or after conform-A/-B on the same one (stops their serve), no vLLM (one call): issue 33's deterministic mode on the GPU: bench/determinism_probe.py (the engine: run a alone vs packed with 1 and 3 other runs, mode on and off; PROBE_S, default 150 s), then conform-R's flow with OPENRL_DETERMINISTIC=1 (openrl serve in the mode, transformers sampler) and DETFILES (default test_deterministic_stack test_e2e_sdk test_batch_invariance); out: determinism.jsonl, R/, logsR.tgz"
   "conform-R|.gpu|bench/conform_call.sh R|one call on a fresh machine, no vLLM: conform-A's set-up, then RFILES (filtered by RK) against a transformers-sampler stack; out: R/, logsR.tgz"
 )
 
@@ -467,7 +467,7 @@ step_conform() {  # X: A|B|C|D|R (after stack_env.sh is sourced)
     fi
     stack_path
     "$PY" -c "import tinker, liger_kernel, openrl.cli; print('imports ok, tinker', tinker.__version__)" 2>&1 | tail -1
-    if [ "$DRY" != 1 ]; then
+    if [ "$DRY" != 1 ] && { [ "$X" = A ] || [ ! -f "$MODEL/config.json" ]; }; then  # R on a warm machine keeps A's
       timeout 150 "$PY" bench/stack_h200.py --make-model "$MODEL" --tokenizer-from .gpu/tok > "$L/make_model.log" 2>&1
       el "make_model rc=$?"; tail -1 "$L/make_model.log"
     fi
@@ -537,6 +537,8 @@ step_conform() {  # X: A|B|C|D|R (after stack_env.sh is sourced)
 # against an external stack only when its trainer reports the mode).
 step_determinism() {
   local tiny; engine_setup "$WORK/logsM"
+  # after conform-A / -B on the same machine: their serve holds the GPU and conf-hf (R restarts it in the mode)
+  [ -f "$WORK/conf-hf/serve.pid" ] && "$PY" bench/serve_bg.py stop --state-dir "$WORK/conf-hf" --grace-s 20 | tail -1
   timeout -k 15 "${PROBE_S:-150}" "$PY" bench/determinism_probe.py --out "$O/determinism.jsonl" ${PROBE_ARGS:-} \
     > "$L/probe.log" 2>&1; el "determinism probe rc=$?"
   grep '^{' "$L/probe.log" | cut -c1-600
