@@ -1,10 +1,11 @@
 """The deterministic mode on a GPU (issue 33), the trainer engine alone: is a run's training
-bitwise the same alone and packed with 1 and 3 other runs, with the mode on and off?
+bitwise the same alone and packed with 1, 3 and 7 other runs, with the mode on and off?
 
 One job, Qwen3-4B layer shapes (hidden 2560, MLP 9728, 32/8 heads of 128, vocab 151936) with
 ``--layers`` decoder layers of random bf16 weights, built on the device (no model directory).
 The runs, datums and losses are those of ``tests/unit/test_deterministic_trainer.py`` (run ``a``
-rank 4, others of ranks 8, 2 and 16 with ppo / cispo (forward only) / importance_sampling),
+rank 4, others of ranks 1 to 32 with cross_entropy / ppo / cispo / importance_sampling, two of
+them forward only),
 with ``--scale`` times longer sequences. For each mode and each packing it writes one JSON
 line: ``equal`` (run ``a``'s loss:sum, logprobs, gradients of 2 steps and final weights, by
 bytes), ``max_logprob_diff`` (nats) and ``s`` (wall seconds of the two steps).
@@ -101,7 +102,7 @@ def main() -> int:
     base = build_base(a.layers)
     for det in (True, False):
         ref = None
-        for n in (0, 1, 3):
+        for n in (0, 1, 3, 7):
             line = {"deterministic": det, "others": n, "layers": a.layers, "scale": a.scale,
                     "gpu": torch.cuda.get_device_name()}
             try:

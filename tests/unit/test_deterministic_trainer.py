@@ -25,6 +25,10 @@ SPECS = {
     "r8": LoraSpec(rank=8, seed=2, alpha=16),
     "r2": LoraSpec(rank=2, seed=3, train_mlp=False),
     "r16": LoraSpec(rank=16, seed=4),
+    "r32": LoraSpec(rank=32, seed=5, alpha=64),
+    "r1": LoraSpec(rank=1, seed=6),
+    "r6": LoraSpec(rank=6, seed=7, train_mlp=False),
+    "r12": LoraSpec(rank=12, seed=8),
 }
 ADAM = AdamConfig(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
 
@@ -67,10 +71,11 @@ def _target_item(forward_only: bool = False) -> FwdBwdItem:
 
 
 def _other_items(n: int) -> list[FwdBwdItem]:
-    """``n`` (1..3) requests of other runs: other lengths (17, 3, 9, 24 tokens), ranks and losses;
-    the r2 one is forward_only."""
+    """``n`` (1..7) requests of other runs: other lengths (17, 3, 9, 24, 40, 1, 13, 30, 5 tokens),
+    ranks (1 to 32) and losses; the r2 and r6 ones are forward_only."""
     rng = np.random.RandomState(11)
     a, b, c, d = _seq(rng, 18), _seq(rng, 4), _seq(rng, 10), _seq(rng, 25)
+    e, f, g, h, k = _seq(rng, 41), _seq(rng, 2), _seq(rng, 14), _seq(rng, 31), _seq(rng, 6)
     items = [
         FwdBwdItem("r8", [
             Datum(list(a[:-1]), {"target_tokens": a[1:], "logprobs": np.full(17, -6.3, np.float32),
@@ -85,7 +90,22 @@ def _other_items(n: int) -> list[FwdBwdItem]:
             Datum(list(c[:-1]), {"target_tokens": c[1:], "logprobs": np.full(9, -6.5, np.float32),
                                  "advantages": rng.normal(size=9).astype(np.float32)}),
         ], "importance_sampling", None, False),
+        FwdBwdItem("r32", [
+            Datum(list(e[:-1]), {"target_tokens": e[1:], "weights": rng.uniform(0.0, 2.0, 40).astype(np.float32)}),
+        ], "cross_entropy", None, False),
+        FwdBwdItem("r1", [
+            Datum(list(f[:-1]), {"target_tokens": f[1:], "weights": np.ones(1, np.float32)}),
+            Datum(list(k[:-1]), {"target_tokens": k[1:], "weights": np.ones(5, np.float32)}),
+        ], "cross_entropy", None, False),
+        FwdBwdItem("r6", [
+            Datum(list(g[:-1]), {"target_tokens": g[1:], "weights": np.ones(13, np.float32)}),
+        ], "cross_entropy", None, True),
+        FwdBwdItem("r12", [
+            Datum(list(h[:-1]), {"target_tokens": h[1:], "logprobs": np.full(30, -6.2, np.float32),
+                                 "advantages": rng.normal(size=30).astype(np.float32)}),
+        ], "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, False),
     ]
+    assert 1 <= n <= len(items), n
     return items[:n]
 
 
@@ -123,7 +143,7 @@ def _train(e: TrainerEngine, items: list[FwdBwdItem], at: int, steps: int = 2):
     return seen, _tensors(e, grads=False)
 
 
-@pytest.mark.parametrize("n_others", [1, 3])
+@pytest.mark.parametrize("n_others", [1, 3, 7])
 def test_forward_logprobs_alone_equal_packed(micro_model_dir, n_others):
     target = _target_item(forward_only=True)
     alone = _engine(micro_model_dir).forward_backward([target])[0]
@@ -133,7 +153,7 @@ def test_forward_logprobs_alone_equal_packed(micro_model_dir, n_others):
     assert packed.metrics["loss:sum"] == alone.metrics["loss:sum"]
 
 
-@pytest.mark.parametrize("n_others", [1, 3])
+@pytest.mark.parametrize("n_others", [1, 3, 7])
 def test_training_alone_equals_packed(micro_model_dir, n_others):
     """Loss, logprobs and gradients of each of 2 steps, and the adapter after them, bitwise."""
     target = _target_item()
