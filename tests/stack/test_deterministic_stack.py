@@ -2,7 +2,9 @@
 ``Stack(deterministic=True)`` (what ``openrl serve --deterministic`` builds; ``OPENRL_DETERMINISTIC=1``
 in the workers' environment). Two runs trained concurrently give the same ``loss:sum`` and
 logprobs, step by step, as the same run trained alone: bitwise (CPU, float32), whether or not
-the trainer packed their requests into one pass; ``/api/v1/status`` shows the mode.
+the trainer packed their requests into one pass; the logprobs the sampler reports equal the
+trainer's forward logprobs of the same tokens (``kl_sample_train`` exactly 0); a seeded request
+gives the same tokens and logprobs alone and among 127 others; ``/api/v1/status`` shows the mode.
 
 Against an external stack (the GPU conformance run, ``OPENRL_TEST_STACK_STATE``) the same test
 runs when that serve's trainer reports the mode (``openrl serve --deterministic`` or
@@ -118,3 +120,33 @@ def test_sampler_logprobs_equal_the_trainers(det_stack, api_key):
     m = tc.forward(rl, "importance_sampling").result().metrics
     assert m["sample_train_tokens:sum"] == sum(len(s.tokens) for s in seqs)
     assert m["kl_sample_train_v1:mean"] == 0.0 and m["sample_train_logprob_diff_abs:max"] == 0.0
+
+
+def test_seeded_sample_alone_equals_among_127_others(det_stack, api_key):
+    """Issue 33 item 4: a seeded request's tokens and logprobs through the SDK are the same sent
+    alone and sent among 127 other concurrent requests (the base model and an adapter, other
+    prompts, lengths, temperatures and seeds), bit for bit."""
+    svc = tinker.ServiceClient(base_url=det_stack.base_url, api_key=api_key)
+    tc = svc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=44).result()
+    _train([(tc, [_datum(C)])], steps=1)
+    tuned = tc.save_weights_and_get_sampling_client().result()
+    base = svc.create_sampling_client(base_model=BASE_MODEL).result()
+    prompt = types.ModelInput.from_ints(B[:11])
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=9)
+
+    def seqs(res):
+        return [(list(s.tokens), list(s.logprobs)) for s in res.sequences]
+
+    alone = seqs(tuned.sample(prompt, num_samples=2, sampling_params=params).result())
+    others = []
+    for i in range(127):
+        client = base if i % 2 else tuned
+        p = types.ModelInput.from_ints([(97 * i + 13 * t) % 5000 + 100 for t in range(3 + i % 23)])
+        sp = types.SamplingParams(max_tokens=2 + i % 9, temperature=0.5 + (i % 4) * 0.25, seed=1000 + i)
+        others.append(client.sample(p, num_samples=1, sampling_params=sp))
+        if i == 63:
+            target = tuned.sample(prompt, num_samples=2, sampling_params=params)
+    among = seqs(target.result())
+    assert all(len(f.result().sequences) == 1 for f in others)
+    assert among == alone
+    assert alone[0] != alone[1]  # the two samples drew differently
