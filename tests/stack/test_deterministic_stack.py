@@ -113,10 +113,10 @@ def test_sampler_logprobs_equal_the_trainers(det_stack, api_key):
         assert list(s.logprobs) == trainer
     # the cookbook's RL datum (q = 0 and advantage 0 on the prompt): the trainer's mismatch metrics
     pad = [0.0] * (len(prompt) - 1)
-    rl = [types.Datum(model_input=types.ModelInput.from_ints((prompt + list(s.tokens))[:-1]),
-                      loss_fn_inputs={"target_tokens": (prompt + list(s.tokens))[1:],
+    rl = [types.Datum(model_input=d.model_input,
+                      loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"],
                                       "logprobs": pad + list(s.logprobs),
-                                      "advantages": pad + [1.0] * len(s.tokens)}) for s in seqs]
+                                      "advantages": pad + [1.0] * len(s.tokens)}) for d, s in zip(data, seqs)]
     m = tc.forward(rl, "importance_sampling").result().metrics
     assert m["sample_train_tokens:sum"] == sum(len(s.tokens) for s in seqs)
     assert m["kl_sample_train_v1:mean"] == 0.0 and m["sample_train_logprob_diff_abs:max"] == 0.0

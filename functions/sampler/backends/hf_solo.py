@@ -69,7 +69,8 @@ def rescore(backend: "HFBackend", row: Any) -> list[float]:
 
     Returns:
         N float32 values (as Python floats): ``log p(tokens[i] | prompt + tokens[:i])`` from one
-        forward (not counted in ``backend.steps``) of ``prompt + tokens[:-1]`` (int64 ``[1, P + N - 1]``, adapter ``model_path``) through
+        forward (not counted in ``backend.steps``) of ``prompt + tokens[:-1]`` (int64
+        ``[1, P + N - 1]``, adapter ``model_path``) through
         :func:`openrl.model.logprobs.target_logprobs` with ``fused_head=False``: what the trainer's
         forward / forward_backward returns at positions ``P - 1 ...`` of that datum. Call under
         ``torch.no_grad()`` (the worker's step is).
