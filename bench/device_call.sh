@@ -25,7 +25,7 @@ STEPS=(
   "stack-keep-vllm|.whl/s2|bench/stack_callB.sh|after stack-sft: completes and unpacks vLLM's A.tar.xz, keeps the first part of vLLM's compiled library for stack-sample-rl (vLLM does not fit one call's 64 MiB)"
   "stack-sample-rl|.whl/s3|bench/stack_call3.sh|after stack-keep-vllm: completes vLLM, stack_h200.py --sections sample,rl,cold (128 SDK samples over 8 snapshots, RL steps, the direct SamplerEngine ratio, the warm restart); CALL3_ARGS; out: stack.jsonl, stack.md, logs3.tgz"
   "stack-sweep|.whl/s4|bench/stack_call4.sh|after stack-sample-rl: installs optuna & co. (.whl/s4), bench/autoresearch_sweep.sh through openrl serve (8 experiments one after another vs at once, idle to zero); N STEPS IDLE ROWS; out: ar/sweep.json, ar/*.log, logs4.tgz"
-  "conform-A|.gpu .whl/k1|bench/conform_call.sh A|conformance 1/4 (fresh machine): wheels, the model, openrl serve (transformers sampler), test_request_mix, test_reference_peft, test_sampler_trainer_parity; AFILES AK MIX_N SFT_STEPS REF_LR; out: A/, logsA.tgz"
+  "conform-A|.gpu .whl/k1|bench/conform_call.sh A|conformance 1/4 (fresh machine): wheels, the model, openrl serve (transformers sampler), test_request_mix, test_reference_peft, test_sampler_trainer_parity; AFILES AK MIX_N SFT_STEPS REF_LR REF_HI_RUNS; out: A/, logsA.tgz"
   "conform-B|.whl/k2|bench/conform_call.sh B|conformance 2/4: unpacks vLLM part A while the same stack runs test_batch_invariance, test_stack_packing; out: B/, logsB.tgz"
   "conform-C|.whl/k3|bench/conform_call.sh C|conformance 3/4: completes vLLM, restarts openrl serve on a new state dir (vLLM sampler, the keyed tests' environment), the parity test and the core files of tests/stack; out: C/, logsC.tgz"
   "conform-D|-|bench/conform_call.sh D|conformance 4/4: the rest of tests/stack (the service's edges, the mix on vLLM) against the same stack, then stops it; MIX_D; out: D/, logsD.tgz"
@@ -438,7 +438,7 @@ step_conform() {  # X: A|B|C|D|R (after stack_env.sh is sourced)
     MODEL_FLAG=(--model "$NAME=$MODEL"); SERVE_EXTRA=()
     export OPENRL_TEST_MIX_REQUESTS=${MIX_N:-500} OPENRL_TEST_MIX_MAX_LEN=2048 OPENRL_TEST_REFERENCE_STEPS=50 \
            OPENRL_TEST_REFERENCE_PACKED=7 OPENRL_TEST_REFERENCE_SFT_STEPS=${SFT_STEPS:-200} OPENRL_TEST_PARITY_STEPS=30 \
-           OPENRL_TEST_REFERENCE_LR=${REF_LR:-1e-4}
+           OPENRL_TEST_REFERENCE_LR=${REF_LR:-1e-4} OPENRL_TEST_REFERENCE_HI_RUNS=${REF_HI_RUNS:-2}
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null
   fi
 

@@ -39,7 +39,8 @@ can follow one trajectory (``test_sft_one_sequence_lr_1e2``).
 Environment: ``OPENRL_TEST_REFERENCE_STEPS`` (default 8; the GPU conformance run uses 50),
 ``OPENRL_TEST_REFERENCE_PACKED`` (runs packed beside the compared one; default 2, GPU 7),
 ``OPENRL_TEST_REFERENCE_SFT_STEPS`` (item 6's one-sequence SFT; default 30, GPU 200),
-``OPENRL_TEST_REFERENCE_LR`` (default 1e-3). ``OPENRL_DEVICE`` must name the stack's trainer
+``OPENRL_TEST_REFERENCE_LR`` (default 1e-3), ``OPENRL_TEST_REFERENCE_HI_RUNS`` (how many packed
+runs report their high-precision twin; default all, GPU 2). ``OPENRL_DEVICE`` must name the stack's trainer
 device when it is not the default ("auto"). On CUDA the test process holds the base model twice
 (bf16 and float32: about 24 GB for Qwen3-4B shapes) beside the stack.
 """
@@ -49,6 +50,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,6 +78,11 @@ SFT_STEPS = int(os.environ.get("OPENRL_TEST_REFERENCE_SFT_STEPS", "30"))
 #: At 1e-3 that stays far inside the bounds; at 2e-3 the tiny model's loss plateaus after ~30
 #: steps and amplifies rounding to 6e-4 (reference vs float64) / 1.5e-3 (ours) nats by step 50.
 LR = float(os.environ.get("OPENRL_TEST_REFERENCE_LR", "1e-3"))
+#: how many of the packed test's runs also train the high-precision twin for the report (the twin
+#: is trained for any run whose comparison fails, for its message); the GPU run sets 2: each twin
+#: is a float32 peft run of ``STEPS`` steps on the 4B model (30-80 s on an H200), and with one per
+#: run the packed test did not fit a device call (2026-12-07, 423 s for 5 of 8 comparisons).
+HI_RUNS = int(os.environ.get("OPENRL_TEST_REFERENCE_HI_RUNS", "1000"))
 TOKENS = (100, 20000)  # token ids drawn from [lo, hi): real BPE tokens of the Qwen vocabulary
 
 
@@ -315,27 +322,35 @@ def _errors(a: RunPlan, b: RunPlan) -> tuple[float, float]:
     return loss_err, lp_err
 
 
-def compare(ours: RunPlan, ref: RunPlan, hi: RunPlan, what: str) -> tuple[float, float]:
+def compare(ours: RunPlan, ref: RunPlan, hi: Callable[[], RunPlan], what: str, report_hi: bool = True
+            ) -> tuple[float, float]:
     """Assert ``ours`` (the stack) within :data:`TOL` of ``ref`` (peft at the stack's precision);
-    ``hi`` (peft in higher precision) only tells how far ``ref`` itself drifts from the exact
-    trajectory (for the report, and a failure's message). All values are recorded."""
+    ``hi()`` (peft in higher precision, trained when called) only tells how far ``ref`` itself
+    drifts from the exact trajectory: recorded when ``report_hi``, and always named in a
+    failure's message (it is trained then if it was not). All values are recorded."""
     loss_err, lp_err = _errors(ours, ref)
-    self_loss, self_lp = _errors(ref, hi)
     info = dict(test=what, steps=len(ours.losses), rank=ours.rank, train_unembed=ours.train_unembed,
                 lr=ours.adam.learning_rate)
     measured("reference_loss_rel", loss_err, TOL.reference_loss_rel, **info)
     measured("reference_logprob", lp_err, TOL.reference_logprob, **info)
-    measured("reference_self_loss_rel", self_loss, None, **info)
-    measured("reference_self_logprob", self_lp, None, **info)
+    ok = loss_err <= TOL.reference_loss_rel and lp_err <= TOL.reference_logprob
+    hi_run = hi() if report_hi or not ok else None
+    drift = ""
+    if hi_run is not None:
+        self_loss, self_lp = _errors(ref, hi_run)
+        measured("reference_self_loss_rel", self_loss, None, **info)
+        measured("reference_self_logprob", self_lp, None, **info)
+        drift = f" (reference vs high precision: {self_loss:.2e}, {self_lp:.2e})"
     print(f"{what}: seed {ours.seed} rank {ours.rank} unembed {ours.train_unembed}: vs reference max loss err "
-          f"{loss_err:.2e}, max |dlogprob| {lp_err:.2e} (reference vs high precision: {self_loss:.2e}, {self_lp:.2e}); "
-          f"losses {ref.losses[0]:.3f} -> {ref.losses[-1]:.3f}")
-    why = (f"(the {PRECISION} reference itself drifts from the high-precision one by {self_loss:.2e} / {self_lp:.2e}; "
-           f"if that is near the bound the hyper-parameters are in a chaotic regime: lower OPENRL_TEST_REFERENCE_LR)")
-    steps = [f"{i}: {a:.5f} vs {b:.5f} (hi {c:.5f})"
-             for i, (a, b, c) in enumerate(zip(ours.losses, ref.losses, hi.losses))]
-    assert loss_err <= TOL.reference_loss_rel, (what, loss_err, why, steps)
-    assert lp_err <= TOL.reference_logprob, (what, lp_err, why)
+          f"{loss_err:.2e}, max |dlogprob| {lp_err:.2e}{drift}; losses {ref.losses[0]:.3f} -> {ref.losses[-1]:.3f}")
+    if not ok:
+        why = (f"(the {PRECISION} reference itself drifts from the high-precision one by {self_loss:.2e} / "
+               f"{self_lp:.2e}; if that is near the bound the hyper-parameters are in a chaotic regime: lower "
+               f"OPENRL_TEST_REFERENCE_LR)")
+        steps = [f"{i}: {a:.5f} vs {b:.5f} (hi {c:.5f})"
+                 for i, (a, b, c) in enumerate(zip(ours.losses, ref.losses, hi_run.losses))]
+        assert loss_err <= TOL.reference_loss_rel, (what, loss_err, why, steps)
+        assert lp_err <= TOL.reference_logprob, (what, lp_err, why)
     return loss_err, lp_err
 
 
@@ -355,7 +370,7 @@ def test_alone_matches_peft_adamw(clients, base, hf_base, hi_base, tmp_path):
     p = plan(7001, STEPS)
     (d,) = train_through_sdk(*clients, [p], tmp_path)
     ref = train_reference(hf_base, d, p, base.device)
-    compare(p, ref, train_reference(hi_base, d, p, base.device, adapter_dtype=hi_base.dtype), "alone")
+    compare(p, ref, lambda: train_reference(hi_base, d, p, base.device, adapter_dtype=hi_base.dtype), "alone")
     last = (STEPS - 1) // 2 * 2  # the last step on batch 0, the batch of step 0
     moved = max(float(np.abs(a - b).max()) for a, b in zip(ref.logprobs[0], ref.logprobs[last]))
     measured("reference_logprob_moved", moved, 4 * TOL.reference_logprob, steps=last)
@@ -383,9 +398,10 @@ def test_packed_runs_match_peft_adamw(stack, clients, base, hf_base, hi_base, tm
         print(f"trainer passes: {packed:.0f} of {passes:.0f} held 2 or more runs")
         measured("reference_packed_passes", packed, None, passes=passes, runs=PACKED + 1)
         assert packed >= 1, (passes, packed)  # the runs did share passes (the scheduler holds for active runs)
-    for p, d in zip(plans, dirs):
+    for i, (p, d) in enumerate(zip(plans, dirs)):
         compare(p, train_reference(hf_base, d, p, base.device),
-                train_reference(hi_base, d, p, base.device, adapter_dtype=hi_base.dtype), f"packed-{PACKED + 1}")
+                lambda p=p, d=d: train_reference(hi_base, d, p, base.device, adapter_dtype=hi_base.dtype),
+                f"packed-{PACKED + 1}", report_hi=i < HI_RUNS)
 
 
 def _first(errs: list[float], bound: float) -> int:
