@@ -282,16 +282,18 @@ class DistributedTrainerEngine(TrainerEngine):
             p.grad = None
         done: list[tuple] = []  # (item, datum, outputs, loss, metrics, mismatch inputs) of this rank's rows
         error = None
-        for mb in self._global_micro_batches(all_rows):
-            needs_grad = any(r.grad for r in mb)
-            mine = mb[self.rank :: self.world]
-            try:
-                self._run_slice(mine, needs_grad, items, configs, done)
-            except FloatingPointError as e:  # raised after the backward: the ranks are in step, go on
-                error = error or f"{type(e).__name__}: {e}"
-            except Exception as e:  # noqa: BLE001 - same inputs on every rank: they all fail here alike
-                error = error or f"{type(e).__name__}: {e}"
-                break
+        plan = self._global_micro_batches(all_rows)
+        with self._pass_weights(plan, items):  # the replicated adapters cast / stacked once for the pass
+            for mb in plan:
+                needs_grad = any(r.grad for r in mb)
+                mine = mb[self.rank :: self.world]
+                try:
+                    self._run_slice(mine, needs_grad, items, configs, done)
+                except FloatingPointError as e:  # raised after the backward: the ranks are in step, go on
+                    error = error or f"{type(e).__name__}: {e}"
+                except Exception as e:  # noqa: BLE001 - same inputs on every rank: they all fail here alike
+                    error = error or f"{type(e).__name__}: {e}"
+                    break
         flat = self._reduce_grads(params, failed=error is not None)
         gathered: list | None = [None] * self.world if self.rank == 0 else None
         dist.gather_object((done, error), gathered, dst=0)

@@ -32,6 +32,7 @@ Not thread-safe: call it from one thread (or serialise calls).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -46,7 +47,14 @@ from functions.trainer import determinism, losses
 from functions.trainer.mismatch import MismatchStats
 from functions.trainer.memory_plan import ActivationBudget
 from functions.trainer.optim import AdamConfig, RunOptimizer, step_many
-from functions.trainer.rows import Row, padded_tokens, plan_micro_batches, prepare_item, row_step
+from functions.trainer.rows import (
+    Row,
+    padded_tokens,
+    plan_micro_batches,
+    prepare_item,
+    row_step,
+    runs_span_micro_batches,
+)
 from functions.trainer.run_state import OPTIMIZER_NAME, RUN_NAME, Run, RunStateIO
 from openrl.config import Settings
 from openrl.edge.proto import FwdBwdDatum
@@ -165,6 +173,9 @@ class TrainerEngine(RunStateIO):
         self.model = MultiLoRAModel(base)
         self.device = torch.device(device)
         self._patched: str | None = None  # what accelerate_model patched (CUDA with fused kernels only)
+        #: build each run's compute-dtype adapter operands once per pass where its rows span several
+        #: micro-batches (``Settings().lora_pass_cache``, ``$OPENRL_LORA_PASS_CACHE``, default off)
+        self.pass_cache = Settings().lora_pass_cache
         if fused_kernels is None:
             fused_kernels = Settings().fused_kernels
         if self.device.type == "cuda" and fused_kernels and not self.deterministic:
@@ -308,9 +319,11 @@ class TrainerEngine(RunStateIO):
             oom = None
             failed: list[Row] = []
             try:
-                for mb in self._plan(all_rows):
-                    failed = mb
-                    self._run_measured(mb, items, configs, results, loss_sums, mismatch)
+                plan = self._plan(all_rows)
+                with self._pass_weights(plan, items):
+                    for mb in plan:
+                        failed = mb
+                        self._run_measured(mb, items, configs, results, loss_sums, mismatch)
                 break
             except Exception as e:  # restore gradients: a failed pass must not half-apply
                 for m, grads in snapshot.items():
@@ -344,6 +357,14 @@ class TrainerEngine(RunStateIO):
             return self._micro_batches(rows)
         cap = min(self.max_tokens, self.budget.cap(any(r.grad for r in rows)))
         return self._micro_batches(rows, cap)
+
+    def _pass_weights(self, plan: Sequence[Sequence[Row]], items: Sequence[FwdBwdItem]):
+        """``self.model.pass_weights()`` (adapters cast / stacked once for the pass) when
+        :attr:`pass_cache` is on and some run's rows span several micro-batches of ``plan``
+        (:func:`~functions.trainer.rows.runs_span_micro_batches`), else a no-op context."""
+        if self.pass_cache and runs_span_micro_batches(plan, lambda r: items[r.item].model_id):
+            return self.model.pass_weights()
+        return contextlib.nullcontext()
 
     def _run_measured(self, mb: list[Row], *args) -> None:
         """:meth:`_run_micro_batch`, its peak memory per padded token fed to the budget (CUDA)."""

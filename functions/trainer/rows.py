@@ -11,7 +11,7 @@ target logprobs. Nothing here holds engine state.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -106,6 +106,21 @@ def plan_micro_batches(rows: Sequence[Row], max_rows: int, max_tokens: int) -> l
     return batches
 
 
+def runs_span_micro_batches(plan: Sequence[Sequence[Row]], run_of: Callable[[Row], str]) -> bool:
+    """Whether some run's rows fall in two or more micro-batches of ``plan`` (rows of varied
+    lengths, sorted longest first, spread each run over the pass; the deterministic mode's one
+    row per micro-batch): then its adapter's compute-dtype operands are worth building once for
+    the pass (``MultiLoRAModel.pass_weights``); otherwise each is used once and caching them
+    would only hold their memory until the pass ends. ``run_of`` maps a row to its run id."""
+    seen: set[str] = set()
+    for mb in plan:
+        here = {run_of(r) for r in mb}
+        if here & seen:
+            return True
+        seen |= here
+    return False
+
+
 def padded_tokens(mb: Sequence[Row]) -> int:
     """Padded tokens of a micro-batch: rows × its longest row (0 when empty)."""
     return len(mb) * max((r.n for r in mb), default=0)
@@ -167,4 +182,4 @@ def row_step(lp: torch.Tensor, b: int, r: Row, loss_fn: str, config: Mapping[str
 
 
 __all__ = ["Row", "RowStep", "mismatch_inputs", "padded_tokens", "plan_micro_batches", "prepare_item",
-           "row_logprobs", "row_step"]
+           "row_logprobs", "row_step", "runs_span_micro_batches"]

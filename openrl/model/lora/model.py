@@ -16,6 +16,7 @@ from openrl.errors import UserError
 from openrl.model.lora.config import ALL_TARGETS, PEFT_KEY_PREFIX, LoraSpec
 from openrl.model.lora.layer import MultiLoRALinear
 from openrl.model.lora.ops import LoraKernelSettings
+from openrl.model.lora.pass_weights import PassWeights
 from openrl.model.lora.routing import LoraRouting, Router
 
 
@@ -50,6 +51,7 @@ class MultiLoRAModel(nn.Module):
         for p in base.parameters():
             p.requires_grad_(False)
         self._router = Router()
+        self._pass_weights: PassWeights | None = None
         self._layers: dict[str, MultiLoRALinear] = {}  # module path in base -> layer
         self._specs: dict[str, LoraSpec] = {}
         for path, module in list(base.named_modules()):
@@ -229,9 +231,25 @@ class MultiLoRAModel(nn.Module):
             if name is not None and name not in self._specs:
                 raise KeyError(f"no adapter named {name!r}")
         routing = LoraRouting(row_adapters, no_grad_adapters, device=self.device, dtype=self.dtype,
-                              settings=self.kernel_settings)
+                              settings=self.kernel_settings, pass_weights=self._pass_weights)
         with self.routed(routing):
             yield routing
+
+    @contextlib.contextmanager
+    def pass_weights(self) -> Iterator[PassWeights]:
+        """Inside the block, every :meth:`use_adapters` routing shares one
+        :class:`~openrl.model.lora.pass_weights.PassWeights`: each adapter's compute-dtype
+        operands are built at their first use and reused by the later micro-batches of the pass
+        (same values and gradients; see that module). Blocks nest (the outer cache is kept);
+        the cache is dropped on exit, freeing its copies."""
+        if self._pass_weights is not None:
+            yield self._pass_weights
+            return
+        self._pass_weights = PassWeights()
+        try:
+            yield self._pass_weights
+        finally:
+            self._pass_weights = None
 
     @property
     def current_routing(self) -> LoraRouting | None:
