@@ -102,7 +102,7 @@ class Settings(BaseSettings):
     flush_interval_s: float = Field(120.0, ge=0, description="periodic run-state flush interval; 0 = off")
     restore_wait_s: float = Field(10.0, ge=0, description="how long a restore waits for a fresher flush")
     fused_kernels: bool = Field(True, description="the trainer's fused LoRA kernels on CUDA (0 = off)")
-    lora_pass_cache: bool = Field(False, description="the trainer casts (and stacks) each run's float32 adapter "
+    lora_pass_cache: bool = Field(False, description="the trainer casts each run's float32 adapter "
                                   "to the compute dtype once per pass when the run's rows span several "
                                   "micro-batches, instead of once per micro-batch (openrl/model/lora/pass_weights.py; "
                                   "same bits; off until measured on a GPU: on the CPU, deterministic mode, 8 runs, it "

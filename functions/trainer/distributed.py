@@ -283,7 +283,7 @@ class DistributedTrainerEngine(TrainerEngine):
         done: list[tuple] = []  # (item, datum, outputs, loss, metrics, mismatch inputs) of this rank's rows
         error = None
         plan = self._global_micro_batches(all_rows)
-        with self._pass_weights(plan, items):  # the replicated adapters cast / stacked once for the pass
+        with self._pass_weights(plan, items):  # the replicated adapters cast once for the pass
             for mb in plan:
                 needs_grad = any(r.grad for r in mb)
                 mine = mb[self.rank :: self.world]

@@ -173,7 +173,7 @@ class TrainerEngine(RunStateIO):
         self.model = MultiLoRAModel(base)
         self.device = torch.device(device)
         self._patched: str | None = None  # what accelerate_model patched (CUDA with fused kernels only)
-        #: build each run's compute-dtype adapter operands once per pass where its rows span several
+        #: cast each run's adapter to the compute dtype once per pass where its rows span several
         #: micro-batches (``Settings().lora_pass_cache``, ``$OPENRL_LORA_PASS_CACHE``, default off)
         self.pass_cache = Settings().lora_pass_cache
         if fused_kernels is None:
@@ -359,7 +359,7 @@ class TrainerEngine(RunStateIO):
         return self._micro_batches(rows, cap)
 
     def _pass_weights(self, plan: Sequence[Sequence[Row]], items: Sequence[FwdBwdItem]):
-        """``self.model.pass_weights()`` (adapters cast / stacked once for the pass) when
+        """``self.model.pass_weights()`` (each adapter cast once for the pass) when
         :attr:`pass_cache` is on and some run's rows span several micro-batches of ``plan``
         (:func:`~functions.trainer.rows.runs_span_micro_batches`), else a no-op context."""
         if self.pass_cache and runs_span_micro_batches(plan, lambda r: items[r.item].model_id):

@@ -109,9 +109,9 @@ def plan_micro_batches(rows: Sequence[Row], max_rows: int, max_tokens: int) -> l
 def runs_span_micro_batches(plan: Sequence[Sequence[Row]], run_of: Callable[[Row], str]) -> bool:
     """Whether some run's rows fall in two or more micro-batches of ``plan`` (rows of varied
     lengths, sorted longest first, spread each run over the pass; the deterministic mode's one
-    row per micro-batch): then its adapter's compute-dtype operands are worth building once for
-    the pass (``MultiLoRAModel.pass_weights``); otherwise each is used once and caching them
-    would only hold their memory until the pass ends. ``run_of`` maps a row to its run id."""
+    row per micro-batch): then its adapter's compute-dtype cast is worth making once for the
+    pass (``MultiLoRAModel.pass_weights``); otherwise each is used once and caching it would
+    only hold its memory until the pass ends. ``run_of`` maps a row to its run id."""
     seen: set[str] = set()
     for mb in plan:
         here = {run_of(r) for r in mb}

@@ -1,8 +1,8 @@
-"""Adapter operands cast / stacked once per pass (``openrl/model/lora/pass_weights.py``): a
+"""Adapter weights cast once per pass (``openrl/model/lora/pass_weights.py``): a
 bf16 pass of several micro-batches gives the same bits with the cache as without it (results and
-float32 gradients), in every kernel mode; the cache is really used (operands built once, reused
+float32 gradients), in every kernel mode; the cache is really used (each cast made once, reused
 by later micro-batches); an in-place update of an adapter, or a switch from ``no_grad`` to grad
-mode, rebuilds the operand instead of reusing a stale or graph-less one.
+mode, rebuilds the cast instead of reusing a stale or graph-less one.
 
 bf16 on the CPU: the casts the cache saves only exist when the activations' dtype differs from
 the float32 adapters' (on CUDA, bf16). The CPU's bf16 kernels stand in for the GPU's; the GPU run
@@ -107,7 +107,7 @@ def test_cached_pass_equals_uncached_bitwise(micro_model_dir, mode):
                            for r in e.optim_step_many([(n, {"learning_rate": 1e-2}) for n in SPECS]))
     assert len(seen) == 2
     builds, hits = seen[0]
-    # several micro-batches: each operand built once per pass (per layer and adapter set), then reused
+    # several micro-batches: each adapter cast once per pass, then reused
     assert builds > 0 and hits >= builds, seen
 
 
@@ -118,7 +118,7 @@ def test_in_place_update_and_grad_mode_rebuild(micro_model_dir):
     with m.pass_weights() as pw:
         with torch.no_grad(), m.use_adapters(["a", "a"]):
             before = m(input_ids=ids).logits.float()
-        with m.use_adapters(["a", "a"]):  # grad mode: the no_grad operand must not be reused
+        with m.use_adapters(["a", "a"]):  # grad mode: the no_grad cast must not be reused
             out = m(input_ids=ids).logits.float()
         out.sum().backward()
         assert all(p.grad is not None and torch.count_nonzero(p.grad) > 0 for p in m.adapter_parameters("a"))
@@ -140,7 +140,7 @@ def test_in_place_update_and_grad_mode_rebuild(micro_model_dir):
 def test_cache_only_where_a_run_spans_micro_batches(micro_model_dir):
     """Each run's rows in one micro-batch (equal lengths, one run per micro-batch): nothing to
     reuse, so the pass holds no cached copies; rows of varied lengths spread the runs: cached."""
-    e, seen = _engine(micro_model_dir, "stacked", cached=True)
+    e, seen = _engine(micro_model_dir, "loop", cached=True)  # each adapter applied alone: its casts are cached
     rng = np.random.RandomState(3)
 
     def datum(n):

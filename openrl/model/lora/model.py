@@ -238,8 +238,8 @@ class MultiLoRAModel(nn.Module):
     @contextlib.contextmanager
     def pass_weights(self) -> Iterator[PassWeights]:
         """Inside the block, every :meth:`use_adapters` routing shares one
-        :class:`~openrl.model.lora.pass_weights.PassWeights`: each adapter's compute-dtype
-        operands are built at their first use and reused by the later micro-batches of the pass
+        :class:`~openrl.model.lora.pass_weights.PassWeights`: each adapter's compute-dtype cast
+        is made at its first use and reused by the later micro-batches of the pass
         (same values and gradients; see that module). Blocks nest (the outer cache is kept);
         the cache is dropped on exit, freeing its copies."""
         if self._pass_weights is not None:

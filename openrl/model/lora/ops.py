@@ -162,15 +162,7 @@ def index_add_lora(y: Tensor, x: Tensor, rows: Tensor, lora_a: Tensor, lora_b: T
     return y.index_add(0, rows, delta.to(y.dtype))
 
 
-def stacked_operands(lora_a: Sequence[Tensor], lora_b: Sequence[Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``(cat(A) [R, in], cat(B) [out, R])`` in ``dtype``, R = sum of the ranks: the operands of
-    :func:`stacked_lora_delta` (built once per pass by ``LoraRouting`` when a
-    :class:`~openrl.model.lora.pass_weights.PassWeights` is set)."""
-    return torch.cat(list(lora_a), 0).to(dtype), torch.cat(list(lora_b), 1).to(dtype)
-
-
-def stacked_lora_delta(x: Tensor, lora_a: Sequence[Tensor], lora_b: Sequence[Tensor], mask: Tensor,
-                       operands: tuple[Tensor, Tensor] | None = None) -> Tensor:
+def stacked_lora_delta(x: Tensor, lora_a: Sequence[Tensor], lora_b: Sequence[Tensor], mask: Tensor) -> Tensor:
     """Several adapters' deltas at once: ``((x @ cat(A)^T) * mask) @ cat(B)^T``.
 
     Args:
@@ -179,38 +171,19 @@ def stacked_lora_delta(x: Tensor, lora_a: Sequence[Tensor], lora_b: Sequence[Ten
         mask: [n, sum(r_g)] in x's dtype: ``scale_g`` on row i / the columns of adapter g
             when row i uses adapter g, else exactly 0, so a row never sees (nor sends
             gradient to) another row's adapter.
-        operands: :func:`stacked_operands` of ``lora_a`` / ``lora_b`` in x's dtype, if built
-            already (then ``lora_a`` / ``lora_b`` are not read).
 
     Returns:
         [n, ..., out], x's dtype. Two matmuls whatever the number of adapters.
     """
-    a_cat, b_cat = operands if operands is not None else stacked_operands(lora_a, lora_b, x.dtype)
+    a_cat = torch.cat(list(lora_a), 0).to(x.dtype)  # [R, in]
+    b_cat = torch.cat(list(lora_b), 1).to(x.dtype)  # [out, R]
     h = x @ a_cat.t()  # [n, ..., R]
     h = h * mask.view(mask.shape[0], *([1] * (x.dim() - 2)), mask.shape[1])
     return h @ b_cat.t()
 
 
-def grouped_operands(lora_a: Sequence[Tensor], lora_b: Sequence[Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``(A3 [G, r, in], B3 [G, out, r])`` in ``dtype``, the G adapters' ranks zero-padded to r =
-    the largest rank rounded up to 8: the operands of :func:`grouped_lora_delta` (one stack, one
-    cast each; built once per pass by ``LoraRouting`` when a
-    :class:`~openrl.model.lora.pass_weights.PassWeights` is set)."""
-    ranks = [a.shape[0] for a in lora_a]
-    r = -(-max(ranks) // 8) * 8
-    a_pad, b_pad = [], []
-    for a, b, rk in zip(lora_a, lora_b, ranks):
-        if rk != r:
-            a = torch.nn.functional.pad(a, (0, 0, 0, r - rk))  # [r, in]
-            b = torch.nn.functional.pad(b, (0, r - rk))  # [out, r]
-        a_pad.append(a)
-        b_pad.append(b)
-    return torch.stack(a_pad).to(dtype), torch.stack(b_pad).to(dtype)
-
-
 def grouped_lora_delta(
-    x: Tensor, lora_a: Sequence[Tensor], lora_b: Sequence[Tensor], offs: Tensor, scale: float | Tensor,
-    operands: tuple[Tensor, Tensor] | None = None,
+    x: Tensor, lora_a: Sequence[Tensor], lora_b: Sequence[Tensor], offs: Tensor, scale: float | Tensor
 ) -> Tensor:
     """Deltas of G adapters whose rows are contiguous, with two grouped GEMMs.
 
@@ -228,13 +201,21 @@ def grouped_lora_delta(
         lora_a: G tensors [r_g, in]; lora_b: G tensors [out, r_g].
         offs: int32 [G] on x's device, cumulative token counts (end of each group).
         scale: one float for all groups, or a per-token column [M, 1] in x's dtype.
-        operands: :func:`grouped_operands` of ``lora_a`` / ``lora_b`` in x's dtype, if built
-            already (then ``lora_a`` / ``lora_b`` are not read).
 
     Returns:
         [n, ..., out], x's dtype.
     """
-    a3, b3 = operands if operands is not None else grouped_operands(lora_a, lora_b, x.dtype)
+    ranks = [a.shape[0] for a in lora_a]
+    r = -(-max(ranks) // 8) * 8
+    a_pad, b_pad = [], []
+    for a, b, rk in zip(lora_a, lora_b, ranks):
+        if rk != r:
+            a = torch.nn.functional.pad(a, (0, 0, 0, r - rk))  # [r, in]
+            b = torch.nn.functional.pad(b, (0, r - rk))  # [out, r]
+        a_pad.append(a)
+        b_pad.append(b)
+    a3 = torch.stack(a_pad).to(x.dtype)  # [G, r, in]: one stack, one cast (few kernels)
+    b3 = torch.stack(b_pad).to(x.dtype)  # [G, out, r]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     h = torch._grouped_mm(x2, a3.transpose(1, 2), offs=offs)  # [M, r]

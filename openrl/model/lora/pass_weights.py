@@ -1,24 +1,28 @@
-"""Adapter operands prepared once per pass: the float32 adapters cast to the compute dtype (and,
-for several adapters in one block, stacked) at their first use in a pass and reused by every
-later micro-batch of it.
+"""Adapter weights cast once per pass: each float32 adapter's ``A`` and ``B`` cast to the compute
+dtype at their first use in a pass and reused by every later micro-batch of it.
 
 Without it, every layer call of every micro-batch casts its adapters' float32 ``A`` and ``B`` to
-the activations' dtype (bf16 on CUDA) and, for a block of several adapters, pads and stacks them
-again: on the 8-run pass of the eighth session's profile (Qwen3-4B shapes, 7 micro-batches,
-activation checkpointing, so each forward runs twice) 12,104 of the pass's 36,299 kernel
-launches were ``aten::_to_copy`` (docs/benchmarks.md, "Eighth session"). With a
-:class:`PassWeights` the forward side of that work is done once per pass.
+the activations' dtype (bf16 on CUDA): on the 8-run pass of the eighth session's profile
+(Qwen3-4B shapes, 7 micro-batches) 12,104 of the pass's 36,299 kernel launches were
+``aten::_to_copy`` (docs/benchmarks.md, "Eighth session"). With a :class:`PassWeights` an adapter
+applied alone (one adapter's rows in a block by themselves: the deterministic mode's one row per
+micro-batch, blocks split by the rank cap, the interleaved path's gather) in k micro-batches is
+cast once instead of k times (one bf16 copy per adapter, bounded). A block of several adapters
+keeps its per-call cast of their concatenation / stack (``ops.stacked_lora_delta``,
+``ops.grouped_lora_delta``): per-adapter casts would save that forward cast but split its one
+backward cast into one per adapter, more casts in all (``bench/pass_weights_probe.py`` on the
+CPU, 2026-12-07: 3,201 casts without the cache, 3,789 with per-adapter casts for every block).
 
-Gradients are unchanged, bit for bit: the cached operand keeps its autograd graph (cast, pad,
-stack: none of them saves a tensor for backward, so the graph can be traversed by each
-micro-batch's own ``backward``); each micro-batch's bf16 gradient reaches the float32 parameter
-through the same cast as before and accumulates in float32 in ``.grad``. An operand is used once
-per forward (an adapter's rows are one block), so no gradient is summed in bf16.
+Gradients are unchanged, bit for bit: the cached cast keeps its autograd graph (a cast saves no
+tensor for backward, so each micro-batch's own ``backward`` can traverse it); each micro-batch's
+bf16 gradient reaches the float32 parameter through the same cast as before and accumulates in
+float32 in ``.grad``. An adapter is used once per forward (its rows are one block), so no
+gradient is summed in bf16.
 
 An entry is reused only while its source parameters are the same tensors, unchanged (identity,
 storage pointer and autograd version counter: an in-place update such as an optimizer step, or
-a swapped ``.data``, rebuilds it), with the same grad mode (an operand cast under ``no_grad`` has
-no graph and must never feed a training micro-batch) and the same detached set.
+a swapped ``.data``, rebuilds it), with the same grad mode (a cast made under ``no_grad`` has no
+graph and must never feed a training micro-batch) and the same detached flag.
 """
 
 from __future__ import annotations
@@ -32,18 +36,18 @@ T = TypeVar("T")
 
 
 class PassWeights:
-    """A per-pass cache of prepared adapter operands (see the module doc).
+    """A per-pass cache of adapter casts (see the module doc).
 
-    Memory: one compute-dtype copy of each adapter used in the pass (plus the padded stacks of
-    multi-adapter blocks), held until the pass ends; for 8 rank-32 runs on Qwen3-4B shapes about
-    0.5 GB in bf16, which the per-micro-batch casts also held while each micro-batch's graph lived.
+    Memory: one compute-dtype copy of each adapter used in the pass, held until the pass ends;
+    for 8 rank-32 runs on Qwen3-4B shapes about 0.5 GB in bf16 (the per-micro-batch casts held
+    theirs while each micro-batch's graph lived).
     """
 
     __slots__ = ("_store", "hits", "builds")
 
     def __init__(self) -> None:
         self._store: dict[Hashable, tuple[tuple, object]] = {}
-        #: counters for tests and traces: operands reused / built
+        #: counters for tests and traces: values reused / built
         self.hits = 0
         self.builds = 0
 
@@ -52,10 +56,10 @@ class PassWeights:
         value built before.
 
         Args:
-            key: what the operand is (layer, adapters, dtype, detached set); the grad mode is
-                added here.
-            sources: the parameters the operand is computed from.
-            make: builds the operand (a tensor or tuple of tensors).
+            key: what the value is (e.g. the parameters' ids, dtype, detached flag); the grad mode
+                is added here.
+            sources: the parameters the value is computed from.
+            make: builds the value (a tensor or tuple of tensors).
         """
         full = (key, torch.is_grad_enabled())
         stamp = tuple((id(t), t.data_ptr(), t._version) for t in sources)

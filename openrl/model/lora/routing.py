@@ -19,12 +19,10 @@ from openrl.model.lora.ops import (
     LoraKernelSettings,
     grouped_lora_delta,
     grouped_mm_support,
-    grouped_operands,
     index_add_lora,
     lora_delta,
-    select_plan,
     stacked_lora_delta,
-    stacked_operands,
+    select_plan,
 )
 from openrl.model.lora.pass_weights import PassWeights
 
@@ -52,9 +50,9 @@ class LoraRouting:
         detached: adapter names whose parameters are used detached (no gradient).
         plan: the kernels chosen for this routing (:func:`ops.select_plan`, from the model's
             :class:`~openrl.model.lora.ops.LoraKernelSettings`).
-        pass_weights: the pass's :class:`~openrl.model.lora.pass_weights.PassWeights` (adapter
-            operands cast / stacked once for every micro-batch of a pass), or None: each layer
-            call prepares its own.
+        pass_weights: the pass's :class:`~openrl.model.lora.pass_weights.PassWeights` (each
+            adapter's compute-dtype cast made once for every micro-batch of a pass), or None:
+            each layer call casts its own.
     """
 
     __slots__ = ("segments", "groups", "detached", "batch_size", "row_names", "names", "plan",
@@ -163,26 +161,23 @@ class LoraRouting:
         if not present:
             return y
 
-        def weights(name: str) -> tuple[Tensor, Tensor]:
+        cache = self.pass_weights
+
+        def weights(name: str, alone: bool = False) -> tuple[Tensor, Tensor]:
+            """The adapter's (A, B), detached for a no-grad adapter. ``alone`` (applied by itself,
+            not stacked with others) and a pass cache: cast to x's dtype once per pass (the
+            kernel's own cast is then a no-op). A stacked block keeps casting its concatenation
+            per call: cached per-adapter casts would save its forward cast but split its
+            backward cast into one per adapter (measured: more casts in all)."""
             a, b = lora_a[name], lora_b[name]
-            return (a.detach(), b.detach()) if name in self.detached else (a, b)
-
-        def prepared(kind: str, names: Sequence[str], build: Callable) -> tuple[Tensor, Tensor] | None:
-            """The operands of ``names`` for ``kind`` in x's dtype from the pass's cache (built
-            by ``build(A list, B list, dtype)`` at first use), or None without a cache."""
-            if self.pass_weights is None:
-                return None
-            key = (kind, id(lora_a), tuple(names), tuple(n in self.detached for n in names), x.dtype)
-            sources = [t for n in names for t in (lora_a[n], lora_b[n])]
-
-            def make() -> tuple[Tensor, Tensor]:
-                ws = [weights(n) for n in names]
-                return build([a for a, _ in ws], [b for _, b in ws], x.dtype)
-
-            return self.pass_weights.get(key, sources, make)
+            det = name in self.detached
+            if alone and cache is not None and a.dtype != x.dtype:
+                return cache.get(("cast", id(a), id(b), det, x.dtype), (a, b),
+                                 lambda: ((a.detach() if det else a).to(x.dtype), (b.detach() if det else b).to(x.dtype)))
+            return (a.detach(), b.detach()) if det else (a, b)
 
         if self.segments is None:
-            return self._add_interleaved(y, x, [n for n, _ in present], weights, scaling, prepared)
+            return self._add_interleaved(y, x, [n for n, _ in present], weights, scaling)
         blocks = self._blocks.get(present)
         if blocks is None:  # planned once per routing and set of adapters (layers share it)
             blocks = self._blocks[present] = self.plan_blocks(present)
@@ -198,15 +193,13 @@ class LoraRouting:
             names = [n for _, _, n in segs]
             ws = [weights(n) for n in names]
             if len(names) == 1:
-                d = lora_delta(xs, *(prepared("one", names, _cast_one) or ws[0]), scaling[names[0]])
+                d = lora_delta(xs, *weights(names[0], alone=True), scaling[names[0]])
             elif self.plan.grouped and _grouped_fits(xs, segs, ws[0][1].shape[0]):
-                d = self._grouped(xs, segs, ws, [scaling[n] for n in names],
-                                  prepared("grouped", names, grouped_operands))
+                d = self._grouped(xs, segs, ws, [scaling[n] for n in names])
             else:
                 m = self.mask(names, [a.shape[0] for a, _ in ws], [scaling[n] for n in names],
                               xs.dtype, xs.device, (s0, e1))
-                d = stacked_lora_delta(xs, [a for a, _ in ws], [b for _, b in ws], m,
-                                       prepared("stacked", names, stacked_operands))
+                d = stacked_lora_delta(xs, [a for a, _ in ws], [b for _, b in ws], m)
             parts.append(ys + d.to(y.dtype))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
@@ -240,23 +233,22 @@ class LoraRouting:
             blocks.append((block[0][0], block[-1][1], tuple(block)))
         return tuple(blocks)
 
-    def _add_interleaved(self, y: Tensor, x: Tensor, present: list[str], weights, scaling, prepared) -> Tensor:
+    def _add_interleaved(self, y: Tensor, x: Tensor, present: list[str], weights, scaling) -> Tensor:
         """Rows of some adapter are not contiguous: one stacked delta over the whole batch
         when the summed rank fits the plan's cap, else gather / scatter-add per adapter."""
         ws = {n: weights(n) for n in present}
         if len(present) > 1 and sum(ws[n][0].shape[0] for n in present) <= self.plan.rank_cap:
             m = self.mask(present, [ws[n][0].shape[0] for n in present], [scaling[n] for n in present],
                           x.dtype, x.device, (0, x.shape[0]))
-            d = stacked_lora_delta(x, [ws[n][0] for n in present], [ws[n][1] for n in present], m,
-                                   prepared("stacked", present, stacked_operands))
+            d = stacked_lora_delta(x, [ws[n][0] for n in present], [ws[n][1] for n in present], m)
             return y + d.to(y.dtype)
         for name, rows in self.groups.items():
             if name in ws:
-                y = index_add_lora(y, x, rows, *(prepared("one", [name], _cast_one) or ws[name]), scaling[name])
+                y = index_add_lora(y, x, rows, *weights(name, alone=True), scaling[name])
         return y
 
     def _grouped(self, xs: Tensor, block: Sequence[tuple[int, int, str]], ws: list[tuple[Tensor, Tensor]],
-                 scales: list[float], operands: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                 scales: list[float]) -> Tensor:
         """:func:`ops.grouped_lora_delta` for one block of contiguous segments (offsets and
         the per-token scale column cached on the routing)."""
         per_row = xs[0].numel() // xs.shape[-1] if xs.shape[0] else 0
@@ -275,12 +267,7 @@ class LoraRouting:
                     [torch.full(((e - s) * per_row, 1), sc, dtype=torch.float32) for (s, e, _), sc in zip(block, scales)]
                 ).to(device=xs.device, dtype=xs.dtype),
             )
-        return grouped_lora_delta(xs, [a for a, _ in ws], [b for _, b in ws], offs, scale, operands)
-
-
-def _cast_one(lora_a: Sequence[Tensor], lora_b: Sequence[Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """One adapter's ``(A [r, in], B [out, r])`` in ``dtype`` (the operands of :func:`ops.lora_delta`)."""
-    return lora_a[0].to(dtype), lora_b[0].to(dtype)
+        return grouped_lora_delta(xs, [a for a, _ in ws], [b for _, b in ws], offs, scale)
 
 
 def _grouped_fits(xs: Tensor, block: Sequence[tuple[int, int, str]], out_features: int) -> bool:
