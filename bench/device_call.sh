@@ -35,7 +35,7 @@ STEPS=(
   "engine-rl-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, then bench/cobatch_h200.py --sections rl: the trainer's share of one RL step (1 and 8 runs x 16 datums x 191 tokens: forward_backward, optim_step_many, snapshot packing, per-row cost, micro-batch caps, torch.profiler splits by the engine's ranges; with OPENRL_TRAINER_GPU_MEMORY set: capped at the stack trainer's share, the memory budget vs the old halving instead of the caps); RL_ARGS; out: cobatch.jsonl, profile_rl_*.txt, logsE.tgz; AB_ENV=\"VAR=value ...\": the probe again with it set, same job (out: ab/)"
   "engine-sleep-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, then bench/residency_probe.py: the trainer's idle sleep on the GPU (Qwen3-4B shapes, 8 rank-32 runs with gradients and AdamW moments: bytes freed, offload and reload seconds, memory before / asleep / awake, every tensor bit for bit after the round trip); SLEEP_ARGS; out: res/residency.jsonl, logsZ.tgz"
   "engine-probes|.gpu||fresh machine, no vLLM (one call, one start): engine-rl-probe (RL_ARGS, AB_ENV) then engine-sleep-probe (SLEEP_ARGS); out: both steps' outputs"
-  "determinism|.gpu||fresh machine, or after conform-A/-B on the same one (stops their serve), no vLLM (one call): issue 33's deterministic mode on the GPU: bench/determinism_probe.py (the engine: run a alone vs packed with 1, 3 and 7 other runs, mode on and off; PROBE_S, default 150 s), then conform-R's flow with OPENRL_DETERMINISTIC=1 (openrl serve in the mode, transformers sampler) and DETFILES (default test_deterministic_stack test_e2e_sdk test_batch_invariance); out: determinism.jsonl, R/, logsR.tgz"
+  "determinism|.gpu||fresh machine, or after conform-A/-B on the same one (stops their serve), no vLLM (one call): issue 33's deterministic mode on the GPU: bench/determinism_probe.py (the engine: run a alone vs packed with 1, 3 and 7 other runs, mode on and off; PROBE_S, default 150 s), with PW_S > 0 bench/pass_weights_probe.py (adapter casts once per pass, off vs on, mode on and off, PW_LAYERS layers, PW_S s each; out: pass_weights.jsonl), then conform-R's flow with OPENRL_DETERMINISTIC=1 (openrl serve in the mode, transformers sampler) and DETFILES (default test_deterministic_stack test_e2e_sdk test_batch_invariance); out: determinism.jsonl, R/, logsR.tgz"
   "conform-R|.gpu|bench/conform_call.sh R|one call on a fresh machine, no vLLM: conform-A's set-up, then RFILES (filtered by RK) against a transformers-sampler stack; out: R/, logsR.tgz"
 )
 
@@ -543,6 +543,15 @@ step_determinism() {
     > "$L/probe.log" 2>&1; el "determinism probe rc=$?"
   grep '^{' "$L/probe.log" | cut -c1-600
   grep -v -E "^\s+(File|\^)" "$L/probe.log" | grep -i -E -B2 -A8 "Traceback" | head -20
+  if [ "${PW_S:-0}" -gt 0 ]; then  # the adapter casts made once per pass (OPENRL_LORA_PASS_CACHE), off vs on, both modes
+    local dev=cuda; [ "$DRY" = 1 ] && dev=cpu
+    for det in --deterministic ""; do
+      # shellcheck disable=SC2086
+      timeout -k 15 "$PW_S" "$PY" bench/pass_weights_probe.py --device $dev --layers "${PW_LAYERS:-8}" $det --reps 3 \
+        --out "$O/pass_weights.jsonl" >> "$L/pass_weights.log" 2>&1; el "pass-weights probe ${det:-default} rc=$?"
+    done
+    grep '^{' "$L/pass_weights.log" | cut -c1-600
+  fi
   pack_logs logsM "$L"
   export OPENRL_DETERMINISTIC=1
   RFILES=${DETFILES:-test_deterministic_stack test_e2e_sdk test_batch_invariance} step_conform R
