@@ -10,9 +10,9 @@ each, x [runs, 1, 16] float32 on CPU; ``--calls`` add_lora calls on one routing 
 forwards' worth of 252 linears), median wall time per call over ``--repeats``, for the
 modes that run on CPU ("auto": stacked blocks on CPU; "loop": one delta per adapter;
 "grouped" where this CPU build's ``torch._grouped_mm`` passes its self-check). It prints one
-JSON line per mode. Runs on any checkout with ``openrl.model.lora`` (older ones without
-``LoraKernelSettings`` take the mode from ``ops.MULTI_ADAPTER_MODE``), so two commits
-compare in one job.
+JSON line per mode. The mode is passed in as ``LoraKernelSettings(mode=...)``; checkouts
+older than that setting (the ninth session's "before", docs/benchmarks.md) are not measured
+by this version.
 """
 
 from __future__ import annotations
@@ -33,11 +33,7 @@ from openrl.model.lora import ops  # noqa: E402
 
 
 def _routing(rows: list[str], mode: str) -> LoraRouting:
-    settings = getattr(ops, "LoraKernelSettings", None)
-    if settings is not None:
-        return LoraRouting(rows, settings=settings(mode=mode))
-    ops.MULTI_ADAPTER_MODE = mode  # an older checkout: its module-global knob
-    return LoraRouting(rows)
+    return LoraRouting(rows, settings=ops.LoraKernelSettings(mode=mode))
 
 
 def main() -> None:
