@@ -38,7 +38,8 @@ Sections (``--sections``; sft, sample, rl and sweep share one stack, started onc
   sweep   ``examples/autoresearch`` with 8 experiments one after another vs all at once against the
           stack (``bench/stack_shapes.py: s_sweep``): wall times and their ratio.
   cold    time from starting ``openrl serve`` (a new state dir) to the first finished
-          forward_backward and to the first sample (``--no-cold-sample``: trainer only); then
+          forward_backward and to the first sample (``--no-cold-sample``: trainer only), then the
+          first routed request (``first_routed``; ``--no-cold-routed`` skips it); then
           stop and start again on the same state dir (warm caches) and measure again.
           ``--from-sleep S``: the starts run with ``OPENRL_SLEEP_AFTER=S``; after the last one, wait
           until both workers are asleep and time the next forward_backward and sample (idle -> first
@@ -608,6 +609,8 @@ def s_cold(a) -> None:
                 sc.sample(types.ModelInput.from_ints(rand_ids(rng, a.prompt_tokens)), 1,
                           types.SamplingParams(max_tokens=16, stop=[])).result(timeout=tmo(900))
                 rec["first_sample_s"] = round(time.time() - t0, 2)
+                if a.cold_routed:
+                    rec.update(first_routed(svc, rng, a))
             rec["phases"] = startup_phases(s)
             if a.from_sleep and phase == phases[-1] and enough(a.cold_need_s + a.from_sleep, "cold from sleep"):
                 log(**rec)
@@ -622,6 +625,31 @@ def s_cold(a) -> None:
         finally:  # also on SIGTERM (SystemExit): stop the stack, keep what was measured
             rec["stop_s"] = round(s.stop(), 2)
             log(**rec)
+
+
+def first_routed(svc, rng, a) -> dict:
+    """Issue 32 item 3's request on a stack that just answered its first sample: a run with the SDK's
+    default ``train_unembed=True`` (an lm_head LoRA), one cross_entropy step, its snapshot, then
+    ``sample(num_samples=2, include_prompt_logprobs=True, topk_prompt_logprobs=3)``: with vLLM
+    the sampler routes it to its transformers backend, started on this first need. Seconds from
+    that request to its answer: ``{"first_routed_sample_s"}``, or ``{"first_routed_error"}``."""
+    from tinker import types
+
+    try:
+        tc = svc.create_lora_training_client(base_model=BASE, rank=a.rank).result()
+        tc.forward_backward([sft_datum(rng, a.tokens)], "cross_entropy").result(timeout=tmo(600))
+        tc.optim_step(types.AdamParams(learning_rate=1e-4)).result(timeout=tmo(600))
+        sc = tc.save_weights_and_get_sampling_client().result(timeout=tmo(600))
+        t = time.time()
+        r = sc.sample(types.ModelInput.from_ints(rand_ids(rng, a.prompt_tokens)), 2,
+                      types.SamplingParams(max_tokens=16, stop=[]), include_prompt_logprobs=True,
+                      topk_prompt_logprobs=3).result(timeout=tmo(600))
+        got = {"first_routed_sample_s": round(time.time() - t, 2)}
+        if not r.prompt_logprobs or not r.topk_prompt_logprobs:
+            got["first_routed_error"] = "the answer has no prompt logprobs"
+        return got
+    except Exception as e:  # noqa: BLE001 - measured: the row says what failed
+        return {"first_routed_error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
 def startup_phases(s: Serve) -> dict:
@@ -992,6 +1020,10 @@ def summary() -> str:
                          f"{str(r['first_sample_s']) + ' s' if 'first_sample_s' in r else '-'} | {r.get('stop_s')} s |"
                          + (f" error: {r['error']}" if r.get("error") else ""))
         for r in cold:
+            if "first_routed_sample_s" in r or "first_routed_error" in r:
+                lines.append(f"\n{r['phase']}: first routed request (prompt logprobs, lm_head LoRA): "
+                             f"{r.get('first_routed_sample_s', '-')} s {r.get('first_routed_error', '')}".rstrip())
+        for r in cold:
             if r.get("phases"):
                 lines.append(f"\n{r['phase']}: start-up phases (s) {json.dumps(r['phases'])}")
         lines.append("")
@@ -1040,6 +1072,8 @@ def main() -> None:
     ap.add_argument("--rl-samples", type=int, default=None)
     ap.add_argument("--rl-new-tokens", type=int, default=None)
     ap.add_argument("--no-cold-sample", dest="cold_sample", action="store_false", help="cold: trainer only")
+    ap.add_argument("--no-cold-routed", dest="cold_routed", action="store_false",
+                    help="cold: skip the first routed request (prompt logprobs of a train_unembed adapter)")
     ap.add_argument("--cold-reuse-main", action="store_true",
                     help="cold: one warm start on the main sections' state dir (after sample/rl)")
     ap.add_argument("--from-zero", type=float, default=0, metavar="IDLE_S",
