@@ -21,8 +21,29 @@ def _tag(device: str) -> str:
         vllm_version = importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
         vllm_version = None
-    name = torch.cuda.get_device_name(0) if str(device).startswith("cuda") and torch.cuda.is_available() else None
-    return compile_cache.cache_tag(torch.__version__, vllm_version, name)
+    return compile_cache.cache_tag(torch.__version__, vllm_version, _gpu_name(device, vllm_version is not None))
+
+
+def _gpu_name(device: str, have_vllm: bool) -> str | None:
+    """The GPU's name (e.g. ``NVIDIA H100 80GB HBM3``), or None on a CPU device.
+
+    With vLLM installed the name comes from ``vllm.platforms.current_platform`` (NVML), which
+    leaves CUDA uninitialised in this process, so vLLM can still fork its engine core from it
+    (``torch.cuda.get_device_name`` initialises CUDA, and vLLM then falls back to the slower
+    spawn). Without vLLM, torch's name."""
+    import torch
+
+    if not str(device).startswith("cuda"):
+        return None
+    index = torch.device(device).index or 0
+    if have_vllm:
+        try:
+            from vllm.platforms import current_platform
+
+            return str(current_platform.get_device_name(index))
+        except Exception as exc:  # noqa: BLE001 - torch's name below (and a spawned engine core)
+            log.info("GPU name from vLLM's platform failed (%s); asking torch", exc)
+    return torch.cuda.get_device_name(index) if torch.cuda.is_available() else None
 
 
 class CompileCacheSync:

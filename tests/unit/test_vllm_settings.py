@@ -70,13 +70,40 @@ def test_compile_cache_in_the_state_dir(tmp_path):
     env = {"OPENRL_HOME": str(tmp_path)}
     assert configure_vllm_env(env) == {"VLLM_CACHE_ROOT": str(tmp_path / "cache" / "vllm"),
                                        "TRITON_CACHE_DIR": str(tmp_path / "cache" / "triton"),
-                                       "VLLM_NO_USAGE_STATS": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+                                       "VLLM_NO_USAGE_STATS": "1", "VLLM_WORKER_MULTIPROC_METHOD": "fork",
+                                       "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "cache" / "vllm")
     assert env["TRITON_CACHE_DIR"] == str(tmp_path / "cache" / "triton")
     env = {"OPENRL_HOME": str(tmp_path), "VLLM_CACHE_ROOT": "/elsewhere", "VLLM_NO_USAGE_STATS": "0",
-           "VLLM_WORKER_MULTIPROC_METHOD": "fork", "TRITON_CACHE_DIR": "/kernels"}
+           "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "TRITON_CACHE_DIR": "/kernels",
+           "PYTORCH_NVML_BASED_CUDA_CHECK": "0"}
     assert configure_vllm_env(env) == {} and env["VLLM_CACHE_ROOT"] == "/elsewhere"
     assert env["TRITON_CACHE_DIR"] == "/kernels"
+    assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" and env["PYTORCH_NVML_BASED_CUDA_CHECK"] == "0"
+
+
+def test_sampler_process_asks_nvml_before_cuda(monkeypatch):
+    """``functions.sampler.new()`` (the entry of every sampler process, local and Knative) sets
+    the NVML-based CUDA check before anything asks ``torch.cuda.is_available()``, so vLLM's
+    engine core can be forked (configure_vllm_env); a value already set is kept."""
+    import os
+
+    import functions.sampler as sampler
+
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "x")  # restored after the test
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK")
+    sampler.new()
+    assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "0")
+    sampler.new()
+    assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "0"
+
+
+def test_compile_cache_tag_on_cpu_names_no_gpu():
+    """The compile-cache tag's GPU name: None on a CPU device (no CUDA call at all)."""
+    from functions.sampler.compile_sync import _gpu_name
+
+    assert _gpu_name("cpu", have_vllm=True) is None and _gpu_name("cpu", have_vllm=False) is None
 
 
 def test_engine_leaves_the_batch_width_to_the_backend(monkeypatch, tmp_path):

@@ -62,10 +62,20 @@ def configure_vllm_env(env: "os._Environ[str] | dict[str, str] | None" = None) -
       and :func:`openrl.storage.compile_cache.merge_triton` copying the first start's kernels into
       it, the second start finds them.
     - ``VLLM_NO_USAGE_STATS=1`` unless set (no usage reporting from a self-hosted service).
-    - ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` unless set: the sampler process has initialised CUDA
-      (device resolution, ``torch.cuda.is_available()``) before the engine starts, and vLLM's
-      engine-core process then fails with "Cannot re-initialize CUDA in forked subprocess"
-      (seen on the H200, 2026-12-01).
+    - ``VLLM_WORKER_MULTIPROC_METHOD=fork`` and ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` unless set:
+      vLLM's engine-core process is forked from the sampler process instead of spawned, so it
+      does not import torch and vLLM a second time in a fresh interpreter. On an H100
+      (bench/stack_h200.py ``--sections cold``, both orders in one job, 2026-12-07) the engine
+      core started in 40-41 s forked against 64-67 s spawned, and the first sample came 77-84 s
+      after ``openrl serve`` against 106-114 s (docs/benchmarks.md, fourteenth session). A fork
+      needs a parent in which CUDA was never initialised: the NVML check keeps
+      ``torch.cuda.is_available()`` (device resolution) from initialising the driver (with the
+      CUDA runtime's check, the forked engine core failed with "Cannot re-initialize CUDA in
+      forked subprocess" on the H200, 2026-12-01), the compile-cache tag reads the GPU's name
+      through NVML (:mod:`functions.sampler.compile_sync`), and where CUDA is initialised all
+      the same (a transformers backend started first in the process) vLLM itself falls back to
+      spawn with a warning. ``functions.sampler.new()`` sets the NVML check at the sampler
+      process's start. Set ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` to get the old start.
 
     Returns the values it set (empty when everything was set already).
     """
@@ -79,7 +89,9 @@ def configure_vllm_env(env: "os._Environ[str] | dict[str, str] | None" = None) -
     if not env.get("VLLM_NO_USAGE_STATS"):
         done["VLLM_NO_USAGE_STATS"] = "1"
     if not env.get("VLLM_WORKER_MULTIPROC_METHOD"):
-        done["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        done["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+    if not env.get("PYTORCH_NVML_BASED_CUDA_CHECK"):
+        done["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     env.update(done)
     return done
 
