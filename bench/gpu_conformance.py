@@ -350,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files", nargs="*", help="test files (names in tests/stack) instead of all, in this order")
     ap.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = ap.parse_args(argv)
+    if not args.print_env and args.budget_s <= MARGIN_S:  # every test would be skipped as "budget"
+        ap.error(f"--budget-s {args.budget_s:g} leaves no time for tests: no test starts in the last "
+                 f"{MARGIN_S} s of the budget (give more than {MARGIN_S})")
     t0 = time.time()
     signal.signal(signal.SIGTERM, _on_signal)  # stop pytest and the serve, still write the report
     signal.signal(signal.SIGINT, _on_signal)
