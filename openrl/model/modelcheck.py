@@ -38,10 +38,19 @@ class ModelDirError(RegistryError):
     """A directory is not a loadable causal LM; the message names what is missing or wrong."""
 
 
-def validate_model_dir(path: str | os.PathLike) -> None:
+def validate_model_dir(path: str | os.PathLike, checked: str | os.PathLike | None = None) -> None:
     """Check that ``path`` is a Hugging Face causal-LM directory (see the module docstring).
 
     Loads only ``config.json``, never the weights.
+
+    Args:
+        path: the model directory.
+        checked: a JSON file remembering the ``config.json`` files that passed the config check
+            (by directory, the file's sha256 and the transformers version). A config remembered
+            there is not loaded again: the check imports transformers and torch, which on a GPU
+            host is seconds of every ``openrl serve --model`` start before its workers start
+            (``openrl models add`` / ``--model`` pass ``<models_dir>/.checked-configs.json``).
+            The weight and tokenizer checks (file names) run every time.
 
     Raises:
         ModelDirError: ``path`` is not a directory, or has no ``config.json``, a config that
@@ -55,9 +64,50 @@ def validate_model_dir(path: str | os.PathLike) -> None:
         raise ModelDirError(f"{d} is not a directory")
     if not (d / "config.json").is_file():
         raise ModelDirError(f"{d} has no config.json (not a Hugging Face model directory)")
-    _check_config(d)
+    key = _config_key(d) if checked is not None else None
+    if key is None or not _remembered(Path(checked), key):
+        _check_config(d)
+        if key is not None:
+            _remember(Path(checked), key)
     _check_weights(d)
     _check_tokenizer(d)
+
+
+def _config_key(d: Path) -> str:
+    """``<dir>|<sha256 of config.json>|transformers <version>``: what a config check depends on."""
+    import hashlib
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        version = "none"
+    digest = hashlib.sha256((d / "config.json").read_bytes()).hexdigest()
+    return f"{d.resolve()}|{digest}|transformers {version}"
+
+
+def _remembered(checked: Path, key: str) -> bool:
+    try:
+        return key in json.loads(checked.read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):  # none yet, or unreadable: check again
+        return False
+
+
+def _remember(checked: Path, key: str) -> None:
+    """Add ``key`` (atomic replace; the last 64 keys are kept). A file that cannot be written only
+    means the next start checks again."""
+    try:
+        try:
+            keys = [k for k in json.loads(checked.read_text(encoding="utf-8")) if isinstance(k, str)]
+        except (OSError, ValueError, TypeError):
+            keys = []
+        keys = [k for k in keys if k != key][-63:] + [key]
+        checked.parent.mkdir(parents=True, exist_ok=True)
+        tmp = checked.with_name(f"{checked.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(keys, indent=0), encoding="utf-8")
+        os.replace(tmp, checked)
+    except OSError:
+        pass
 
 
 def _check_config(d: Path) -> None:

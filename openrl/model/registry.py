@@ -405,6 +405,11 @@ def overlay_path(models_dir: str | os.PathLike | None = None) -> Path:
     return mdir.parent / OVERLAY_NAME
 
 
+#: In the models directory: the config.json files that passed the config check
+#: (:func:`openrl.model.modelcheck.validate_model_dir`'s ``checked``).
+CHECKED_CONFIGS = ".checked-configs.json"
+
+
 def add_model(name: str, directory: str | os.PathLike, *, models_dir: str | os.PathLike | None = None,
               dtype: str = "auto", max_context_length: int | None = None) -> ModelEntry:
     """Validate a local Hugging Face directory and write (or replace) its entry in the overlay.
@@ -431,11 +436,11 @@ def add_model(name: str, directory: str | os.PathLike, *, models_dir: str | os.P
     if not isinstance(name, str) or not name or name != name.strip():
         raise RegistryError(f"model name {name!r}: must be a non-empty string without surrounding spaces")
     path = Path(os.path.abspath(Path(directory).expanduser()))
-    validate_model_dir(path)
+    mdir = Path(os.path.abspath(Path(models_dir).expanduser())) if models_dir is not None else default_models_dir()
+    validate_model_dir(path, checked=mdir / CHECKED_CONFIGS)
     spec: dict[str, Any] = {"path": str(path), "dtype": dtype}
     if max_context_length is not None:
         spec["max_context_length"] = max_context_length
-    mdir = Path(os.path.abspath(Path(models_dir).expanduser())) if models_dir is not None else default_models_dir()
     ov = overlay_path(mdir)
     with _overlay_lock(ov):
         data = _read_toml(ov) if ov.exists() else {}

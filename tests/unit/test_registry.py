@@ -255,6 +255,38 @@ def test_invalid_dirs_are_refused(tiny, tmp_path, capsys, make, message):
     assert not overlay_path(state / "models").exists()
 
 
+def test_a_config_that_passed_is_not_loaded_again(tiny, tmp_path, monkeypatch):
+    """``checked``: the config check (transformers' AutoConfig, seconds of imports on a GPU host
+    before ``openrl serve --model`` starts its workers) runs once per config.json content; a
+    changed config, or one that failed, is checked again; the file-name checks run every time."""
+    from openrl.model import modelcheck
+
+    d = copy_without(tiny, tmp_path / "m", "config.json")
+    (d / "config.json").write_bytes((tiny / "config.json").read_bytes())
+    checked = tmp_path / "models" / ".checked-configs.json"
+    calls = []
+    real = modelcheck._check_config
+    monkeypatch.setattr(modelcheck, "_check_config", lambda p: (calls.append(p), real(p)))
+    validate_model_dir(d, checked=checked)
+    validate_model_dir(d, checked=checked)
+    assert calls == [d] and len(json.loads(checked.read_text())) == 1
+    (d / "config.json").write_text(json.dumps({"model_type": "no-such-arch"}))  # changed: checked, refused
+    with pytest.raises(ModelDirError, match="does not load with transformers.AutoConfig"):
+        validate_model_dir(d, checked=checked)
+    with pytest.raises(ModelDirError, match="does not load with transformers.AutoConfig"):
+        validate_model_dir(d, checked=checked)  # a failure is never remembered
+    assert len(calls) == 3
+    (d / "config.json").write_bytes((tiny / "config.json").read_bytes())
+    (d / "model.safetensors").unlink()  # the weights are looked for every time
+    with pytest.raises(ModelDirError, match="has no weights"):
+        validate_model_dir(d, checked=checked)
+    assert len(calls) == 3
+    checked.write_text("not json")  # an unreadable memo: check again, and rewrite it
+    (d / "model.safetensors").symlink_to(tiny / "model.safetensors")
+    validate_model_dir(d, checked=checked)
+    assert len(calls) == 4 and len(json.loads(checked.read_text())) == 1
+
+
 def test_sharded_weights(tiny, tmp_path):
     d = copy_without(tiny, tmp_path / "sharded", "model.safetensors")
     index = {"metadata": {}, "weight_map": {"a.weight": "model-00001-of-00002.safetensors",
