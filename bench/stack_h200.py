@@ -654,8 +654,15 @@ def first_routed(svc, rng, a) -> dict:
 
 def startup_phases(s: Serve) -> dict:
     """``openrl_startup_seconds{phase}`` of the trainer and sampler processes now running
-    (``openrl.observe.startup``): ``{"trainer": {phase: s}, "sampler": {...}}``."""
+    (``openrl.observe.startup``), and the serve process's own from ``<state>/ports.json``:
+    ``{"serve": {phase: s}, "trainer": {phase: s}, "sampler": {...}}``."""
     out = {}
+    try:
+        served = json.loads((s.state / "ports.json").read_text()).get("startup") or {}
+    except (OSError, ValueError):
+        served = {}
+    if served:
+        out["serve"] = {k: round(v, 2) for k, v in served.items()}
     for name in ("trainer", "sampler"):
         got = {k.split('phase="', 1)[1].split('"', 1)[0]: round(v, 2) for k, v in scrape(s.metrics_url(name)).items()
                if k.startswith("openrl_startup_seconds{")}

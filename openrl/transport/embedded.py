@@ -51,6 +51,7 @@ from openrl.config import Settings
 from openrl.contract import topology
 from openrl.errors import CLIError
 from openrl.model.registry import ModelRegistry, ensure_built
+from openrl.observe import startup
 from openrl.transport import pidfile, portsfile, tether
 from openrl.transport.local_servers import PortHold, start_nats
 
@@ -93,6 +94,7 @@ class Stack:
     deterministic: bool | None = None  # --deterministic (None: $OPENRL_DETERMINISTIC, else off)
     preload: list[str] = field(default_factory=list)  # base models the workers load at start (--model names)
     supervise: bool = False  # restart dead processes, scale idle workers to zero (openrl serve / run)
+    process_start_phase: bool = False  # openrl serve / run: record serve_to_workers from this process's start
     idle_timeout: float = 0.0  # --idle-timeout: seconds a worker may idle before it stops (supervise; 0 = never)
     sleep_after: float | None = None  # --sleep-after: seconds before an idle worker sleeps (None: $OPENRL_SLEEP_AFTER)
     supervisor: "Supervisor | None" = None  # set by start() when supervise
@@ -248,8 +250,12 @@ class Stack:
         self._log_offsets = {name: _size(self._log_of(name)) for name, *_ in specs}
         # supervised, only nats-server and the gateway must come up here; the supervisor restarts the others
         self._must_live = {i for i, (_, _, critical, _) in enumerate(specs) if critical or not self.supervise}
-        # a new file: no URL of a previous stack in this state dir is left in it
-        portsfile.update(self.ports_file, fresh=True, gateway=self.base_url, nats=self.nats_url, metrics=known)
+        # a new file: no URL of a previous stack in this state dir is left in it; with the seconds from
+        # this process's start to its first spawn (the --model check, a model build, ports: issue 32's split)
+        if self.process_start_phase:
+            startup.record("serve_to_workers", startup.process_age_s())
+        portsfile.update(self.ports_file, fresh=True, gateway=self.base_url, nats=self.nats_url, metrics=known,
+                         startup=startup.phases())
         for _, spawn, _, cons in specs:  # workers that scale to zero start at zero (unless --model preloads)
             self.procs.append(None if cons and self._starts_at_zero else spawn())
         if build_later:  # before the gateway reports healthy: no request reaches a half-built model
@@ -463,6 +469,7 @@ def _stack_from_args(args) -> Stack:
                  sampler_gpu_memory=getattr(args, "sampler_gpu_memory", None),
                  deterministic=getattr(args, "deterministic", None),
                  preload=[name for name, _ in getattr(args, "model", None) or []], supervise=True,
+                 process_start_phase=True,
                  idle_timeout=cfg.idle_timeout if idle is None else float(idle),
                  sleep_after=float(sleep_after))
 
