@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -436,8 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``openrl`` command line; returns the exit status (0 ok, 1 error, 2 usage)."""
+    t0 = time.monotonic()  # the command's start (serve / run record their start-up from it)
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.t0 = t0
     args.state_dir = state_dir(getattr(args, "state_dir", None))
     try:
         rc = args.func(args)

@@ -94,7 +94,7 @@ class Stack:
     deterministic: bool | None = None  # --deterministic (None: $OPENRL_DETERMINISTIC, else off)
     preload: list[str] = field(default_factory=list)  # base models the workers load at start (--model names)
     supervise: bool = False  # restart dead processes, scale idle workers to zero (openrl serve / run)
-    process_start_phase: bool = False  # openrl serve / run: record serve_to_workers from this process's start
+    command_t0: float | None = None  # openrl serve / run: time.monotonic() at the command's start (serve_to_workers)
     idle_timeout: float = 0.0  # --idle-timeout: seconds a worker may idle before it stops (supervise; 0 = never)
     sleep_after: float | None = None  # --sleep-after: seconds before an idle worker sleeps (None: $OPENRL_SLEEP_AFTER)
     supervisor: "Supervisor | None" = None  # set by start() when supervise
@@ -251,9 +251,9 @@ class Stack:
         # supervised, only nats-server and the gateway must come up here; the supervisor restarts the others
         self._must_live = {i for i, (_, _, critical, _) in enumerate(specs) if critical or not self.supervise}
         # a new file: no URL of a previous stack in this state dir is left in it; with the seconds from
-        # this process's start to its first spawn (the --model check, a model build, ports: issue 32's split)
-        if self.process_start_phase:
-            startup.record("serve_to_workers", startup.process_age_s())
+        # the command's start to its first spawn (the --model check, a model build, ports: issue 32's split)
+        if self.command_t0 is not None:
+            startup.record("serve_to_workers", time.monotonic() - self.command_t0)
         portsfile.update(self.ports_file, fresh=True, gateway=self.base_url, nats=self.nats_url, metrics=known,
                          startup=startup.phases())
         for _, spawn, _, cons in specs:  # workers that scale to zero start at zero (unless --model preloads)
@@ -469,7 +469,7 @@ def _stack_from_args(args) -> Stack:
                  sampler_gpu_memory=getattr(args, "sampler_gpu_memory", None),
                  deterministic=getattr(args, "deterministic", None),
                  preload=[name for name, _ in getattr(args, "model", None) or []], supervise=True,
-                 process_start_phase=True,
+                 command_t0=getattr(args, "t0", None),
                  idle_timeout=cfg.idle_timeout if idle is None else float(idle),
                  sleep_after=float(sleep_after))
 
