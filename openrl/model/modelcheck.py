@@ -65,10 +65,11 @@ def validate_model_dir(path: str | os.PathLike, checked: str | os.PathLike | Non
     if not (d / "config.json").is_file():
         raise ModelDirError(f"{d} has no config.json (not a Hugging Face model directory)")
     key = _config_key(d) if checked is not None else None
-    if key is None or not _remembered(Path(checked), key):
+    known = _read_keys(Path(checked)) if key is not None else []
+    if key not in known:
         _check_config(d)
         if key is not None:
-            _remember(Path(checked), key)
+            _write_keys(Path(checked), [k for k in known if k != key][-63:] + [key])
     _check_weights(d)
     _check_tokenizer(d)
 
@@ -86,22 +87,17 @@ def _config_key(d: Path) -> str:
     return f"{d.resolve()}|{digest}|transformers {version}"
 
 
-def _remembered(checked: Path, key: str) -> bool:
+def _read_keys(checked: Path) -> list[str]:
+    """The remembered keys; none when the file is missing or unreadable (then everything is checked again)."""
     try:
-        return key in json.loads(checked.read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError):  # none yet, or unreadable: check again
-        return False
+        return [k for k in json.loads(checked.read_text(encoding="utf-8")) if isinstance(k, str)]
+    except (OSError, ValueError, TypeError):
+        return []
 
 
-def _remember(checked: Path, key: str) -> None:
-    """Add ``key`` (atomic replace; the last 64 keys are kept). A file that cannot be written only
-    means the next start checks again."""
+def _write_keys(checked: Path, keys: list[str]) -> None:
+    """Replace the file atomically. A file that cannot be written only means the next start checks again."""
     try:
-        try:
-            keys = [k for k in json.loads(checked.read_text(encoding="utf-8")) if isinstance(k, str)]
-        except (OSError, ValueError, TypeError):
-            keys = []
-        keys = [k for k in keys if k != key][-63:] + [key]
         checked.parent.mkdir(parents=True, exist_ok=True)
         tmp = checked.with_name(f"{checked.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(keys, indent=0), encoding="utf-8")

@@ -252,10 +252,12 @@ class Stack:
         self._must_live = {i for i, (_, _, critical, _) in enumerate(specs) if critical or not self.supervise}
         # a new file: no URL of a previous stack in this state dir is left in it; with the seconds from
         # the command's start to its first spawn (the --model check, a model build, ports: issue 32's split)
+        served = {}
         if self.command_t0 is not None:
-            startup.record("serve_to_workers", time.monotonic() - self.command_t0)
+            served["serve_to_workers"] = time.monotonic() - self.command_t0
+            startup.record("serve_to_workers", served["serve_to_workers"])
         portsfile.update(self.ports_file, fresh=True, gateway=self.base_url, nats=self.nats_url, metrics=known,
-                         startup=startup.phases())
+                         startup=served)
         for _, spawn, _, cons in specs:  # workers that scale to zero start at zero (unless --model preloads)
             self.procs.append(None if cons and self._starts_at_zero else spawn())
         if build_later:  # before the gateway reports healthy: no request reaches a half-built model

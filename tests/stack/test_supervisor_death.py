@@ -99,7 +99,7 @@ def test_sigkill_of_openrl_serve_leaves_no_process(tmp_path, models_dir, port):
             children(state)), "the four processes in pids.json")
         started += kids.values()
         assert all(psutil.Process(p).ppid() == sup.pid for p in kids.values())
-        # where its start went (issue 32): the seconds from the serve process's start to its first spawn
+        # where its start went (issue 32): the seconds from the openrl serve command's start to its first spawn
         spawn_s = json.loads((state / "ports.json").read_text())["startup"]["serve_to_workers"]
         assert 0 < spawn_s < 120
 
