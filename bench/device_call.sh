@@ -17,14 +17,14 @@
 # sampler-hf-vllm set their own environment (python3, /tmp) as they always did, and have no dry run.
 set -u
 
-STEPS=(
+STEP_TABLE=(  # not STEPS: stack-sweep passes STEPS (RL steps per experiment) through the environment
   "cobatch-peft|.whl/c1 .vllm-h200|bench/gpu_call1.sh|issue 8, call 1 of 2 (fresh machine): unpacks vLLM part A, writes the Qwen3-4B-shaped model + 8 adapters, the transformers + peft baseline (B=1 K=8, B=8 K=4) and bench/cobatch_h200.py in one job; out: cobatch.jsonl, profile_cobatch8.txt, peft_b1.jsonl, peft_b8.jsonl, logs1.tgz"
   "sampler-hf-vllm|.whl/c2 .vllm-h200|bench/gpu_call2.sh|issue 8, call 2 of 2 (after cobatch-peft): completes vLLM, bench/sampler_h200.py with the transformers then the vLLM backend (.vllm-h200/bench.py if vLLM fails); out: sampler_hf.jsonl, sampler_vllm.jsonl, [results_a1.json], logs2.tgz"
   "stack-cold|.gpu .whl/s1|bench/stack_call1.sh|fresh machine: installs the stack's wheels, keeps the first part of vLLM's A.tar.xz, writes the model, openrl serve -> first forward_backward twice (cold, warm), the peft sampling baseline (B=8 K=4); SETUP=0 COLD=0 PEFT=0 COLD_ARGS; out: stack.jsonl, stack.md, peft_b8.jsonl, logs1.tgz"
   "stack-sft|.gpu .whl/s1|bench/stack_callA.sh|fresh machine, the training side in one job: wheels, the first part of vLLM's A.tar.xz, the model, stack_h200.py --sections sft (1/2/4/8 SDK runs), cobatch_h200.py --sections cobatch, peft B=1 K=8; out: stack.jsonl, stack.md, cobatch.jsonl, peft_b1.jsonl, logsA.tgz"
   "stack-keep-vllm|.whl/s2|bench/stack_callB.sh|after stack-sft: completes and unpacks vLLM's A.tar.xz, keeps the first part of vLLM's compiled library for stack-sample-rl (vLLM does not fit one call's 64 MiB)"
   "stack-sample-rl|.whl/s3|bench/stack_call3.sh|after stack-keep-vllm: completes vLLM, stack_h200.py --sections sample,rl,cold (128 SDK samples over 8 snapshots, RL steps, the direct SamplerEngine ratio, the warm restart); CALL3_ARGS; out: stack.jsonl, stack.md, logs3.tgz"
-  "stack-sweep|.whl/s4|bench/stack_call4.sh|after stack-sample-rl: installs optuna & co. (.whl/s4), bench/autoresearch_sweep.sh through openrl serve (8 experiments one after another vs at once, idle to zero); N STEPS IDLE ROWS; out: ar/sweep.json, ar/*.log, logs4.tgz"
+  "stack-sweep|.whl/s4|bench/stack_call4.sh|after stack-sample-rl, or after conform-C (stops its serve, reuses its vLLM compile cache): installs optuna & co. (.whl/s4), bench/autoresearch_sweep.sh through openrl serve (8 experiments one after another vs at once, idle to zero); N STEPS IDLE ROWS; out: ar/sweep.json, ar/*.log, logs4.tgz"
   "conform-A|.gpu .whl/k1|bench/conform_call.sh A|conformance 1/4 (fresh machine): wheels, the model, openrl serve (transformers sampler), test_request_mix, test_reference_peft, test_sampler_trainer_parity; AFILES AK MIX_N SFT_STEPS REF_LR REF_HI_RUNS; out: A/, logsA.tgz"
   "conform-B|.whl/k2|bench/conform_call.sh B|conformance 2/4: unpacks vLLM part A while the same stack runs test_batch_invariance, test_stack_packing; out: B/, logsB.tgz"
   "conform-C|.whl/k3|bench/conform_call.sh C|conformance 3/4: completes vLLM, restarts openrl serve on a new state dir (vLLM sampler, the keyed tests' environment), the parity test and the core files of tests/stack; out: C/, logsC.tgz"
@@ -41,14 +41,14 @@ STEPS=(
 
 step_field() {  # STEP FIELD(1 name, 2 carry, 3 formerly, 4 what): prints it, fails for an unknown step
   local s
-  for s in "${STEPS[@]}"; do
+  for s in "${STEP_TABLE[@]}"; do
     if [ "${s%%|*}" = "$1" ]; then echo "$s" | cut -d'|' -f"$2"; return 0; fi
   done
   return 1
 }
 list_steps() {
   local s name carry was what
-  for s in "${STEPS[@]}"; do
+  for s in "${STEP_TABLE[@]}"; do
     IFS='|' read -r name carry was what <<< "$s"
     printf '%-16s carry: %s\n' "$name" "$(carry_json "$carry")"
     printf '%-16s %s\n' "" "$what"
@@ -254,7 +254,10 @@ step_stack_sweep() {
   L=$WORK/logs4; rm -rf "$L"; mkdir -p "$L"
   el start; nvidia-smi --query-gpu=name,memory.used --format=csv 2>/dev/null
   if [ "$DRY" != 1 ]; then
-    [ -x "$STK/bin/nats-server" ] || { echo "NOT WARM: run steps stack-sft (or stack-cold), stack-keep-vllm, stack-sample-rl first"; exit 3; }
+    [ -x "$STK/bin/nats-server" ] || { echo "NOT WARM: run steps stack-sft (or stack-cold), stack-keep-vllm, stack-sample-rl (or conform-A, -B, -C) first"; exit 3; }
+    # after the conformance chain: its serve stopped (the GPU to the sweep's stack), its vLLM compile cache reused
+    "$PY" bench/serve_bg.py stop --state-dir "$WORK/conf-vllm" --grace-s 20 2>&1 | tail -2
+    [ -d "$WORK/conf-vllm/cache/vllm" ] && export VLLM_CACHE_ROOT=$WORK/conf-vllm/cache/vllm
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/stk4" .whl/s4/*.whl > "$L/pip_s4.log" 2>&1
     el "s4 wheels rc=$?"; tail -2 "$L/pip_s4.log"
     stack_path vllm; export PYTHONPATH=$STK:$WORK/stk4:$SITE:$PWD
