@@ -8,8 +8,8 @@ JetStream binding, handler, result writes, vLLM's output handler) from start to 
 ``DIR/sampler_<pid>.prof`` (pstats) when the worker exits on SIGTERM. Other processes: no effect.
 
 bench/stack_h200.py --stacks EVERY_S: a sampling profile of every Python process of the stack (the
-``openrl serve`` CLI, its workers, and the processes they spawn, such as vLLM's engine core, which
-inherit the environment): with ``OPENRL_BENCH_STACKS=DIR``, a daemon thread writes every thread's
+``openrl serve`` CLI, its workers, and the processes they spawn or fork, such as vLLM's engine core, which
+inherit the environment; a forked child starts its own thread, ``os.register_at_fork``): with ``OPENRL_BENCH_STACKS=DIR``, a daemon thread writes every thread's
 Python stack (``sys._current_frames``, the main thread first) every ``OPENRL_BENCH_STACKS_EVERY`` seconds (default 0.5) to
 ``DIR/stacks_<pid>.txt`` for the first ``OPENRL_BENCH_STACKS_FOR`` seconds (default 240) of the
 process, each sample headed ``@ <seconds since the process started>``. The thread needs the GIL, so
@@ -71,8 +71,14 @@ if _stacks:
                 fh.write("\n".join(lines) + "\n")
                 fh.flush()
 
-    os.makedirs(_stacks, exist_ok=True)
-    threading.Thread(target=_sample, name="openrl-bench-stacks", daemon=True,
-                     args=(os.path.join(_stacks, f"stacks_{os.getpid()}.txt"),
-                           float(os.environ.get("OPENRL_BENCH_STACKS_EVERY", "0.5")),
-                           float(os.environ.get("OPENRL_BENCH_STACKS_FOR", "240")))).start()
+    def _start_sampling() -> None:
+        os.makedirs(_stacks, exist_ok=True)
+        threading.Thread(target=_sample, name="openrl-bench-stacks", daemon=True,
+                         args=(os.path.join(_stacks, f"stacks_{os.getpid()}.txt"),
+                               float(os.environ.get("OPENRL_BENCH_STACKS_EVERY", "0.5")),
+                               float(os.environ.get("OPENRL_BENCH_STACKS_FOR", "240")))).start()
+
+    _start_sampling()
+    # a forked child (vLLM's engine core, forked from the sampler by default) has no copy of the thread:
+    # it starts its own, its t0 the fork
+    os.register_at_fork(after_in_child=_start_sampling)
