@@ -36,7 +36,9 @@
   have no consumer here: they are only restarted.)
 - **Scale to zero.** With ``idle_timeout_s`` > 0, a JetStream worker (trainer, sampler) whose
   durable consumer had no pending and no unacked message (``consumer_info``'s
-  ``num_pending + num_ack_pending``) for ``idle_timeout_s`` seconds gets SIGTERM: it stops
+  ``num_pending + num_ack_pending``) and delivered nothing new (``delivered.consumer_seq``
+  unchanged: a request handled between two reads leaves nothing pending at either) for
+  ``idle_timeout_s`` seconds gets SIGTERM: it stops
   fetching, drains, and the trainer flushes its run state. When messages are pending on
   the consumer of a worker at zero, the worker is started again; requests meanwhile wait in
   the work queue (the gateway only publishes: no request reaches a worker any other way).
@@ -132,6 +134,7 @@ class Managed:
     last_busy: float = field(default_factory=time.monotonic)
     queued: int | None = None
     running: int | None = None
+    delivered: int | None = None  # the consumer's delivered sequence at the last read (module doc)
     log: Path | None = None
     log_offset: int = 0
     cause: str | None = None
@@ -305,9 +308,10 @@ class Supervisor:
                 except Exception:  # noqa: BLE001
                     pass
 
-    async def _load(self, js, m: Managed) -> tuple[int, int, int] | None:
-        """``(num_pending, num_ack_pending, num_waiting)`` of ``m``'s consumer; a missing consumer
-        counts the stream's messages as pending; None when JetStream cannot be read."""
+    async def _load(self, js, m: Managed) -> tuple[int, int, int, int] | None:
+        """``(num_pending, num_ack_pending, num_waiting, delivered)`` of ``m``'s consumer
+        (``delivered``: ``delivered.consumer_seq``, messages the consumer ever delivered); a missing
+        consumer counts the stream's messages as pending; None when JetStream cannot be read."""
         if js is None or m.consumer is None:
             return None
         stream, durable = m.consumer
@@ -315,10 +319,12 @@ class Supervisor:
 
         try:
             info = await js.consumer_info(stream, durable)
-            return int(info.num_pending or 0), int(info.num_ack_pending or 0), int(info.num_waiting or 0)
+            delivered = getattr(info.delivered, "consumer_seq", None) if info.delivered is not None else None
+            return (int(info.num_pending or 0), int(info.num_ack_pending or 0), int(info.num_waiting or 0),
+                    int(delivered or 0))
         except NotFoundError:  # no worker ever bound it (new state dir): the stream holds the work
             try:
-                return int((await js.stream_info(stream)).state.messages or 0), 0, 0
+                return int((await js.stream_info(stream)).state.messages or 0), 0, 0, 0
             except Exception:  # noqa: BLE001
                 return None
         except Exception:  # noqa: BLE001 - NATS restarting
@@ -354,9 +360,14 @@ class Supervisor:
             load = await self._load(js, m)
             if load is None:
                 continue
-            pending, ack_pending, waiting = load
+            pending, ack_pending, waiting, delivered = load
             m.queued, m.running = pending, ack_pending
-            if pending + ack_pending > 0 or m.state == STARTING and not waiting:
+            # a request handled between two reads leaves nothing pending at either: the delivered
+            # sequence moved (a stream of 0.1 s samples polled every 0.5 s looked idle, and the sampler
+            # was stopped under load: the H100 sweep of docs/benchmarks.md, fifteenth session)
+            moved = m.delivered is not None and delivered != m.delivered
+            m.delivered = delivered
+            if pending + ack_pending > 0 or moved or m.state == STARTING and not waiting:
                 m.last_busy = now  # a worker loading its model is not idle yet
             elif m.state == RUNNING and self._peer_starting(m):
                 m.last_busy = now  # its client waits on the peer (an RL step: sample, then train)

@@ -117,7 +117,7 @@ class _Loads(Supervisor):
     ``consumer_info`` numbers are the only input faked here (the real read is exercised by
     tests/stack/test_scale_to_zero.py)."""
 
-    loads: dict[str, tuple[int, int, int]] = {}
+    loads: dict[str, tuple[int, int, int, int]] = {}
 
     async def _load(self, js, m):
         return self.loads.get(m.name)
@@ -135,12 +135,12 @@ def test_a_worker_is_not_idle_while_its_peer_starts(procs, tmp_path):
                  idle_timeout_s=5.0)
     trainer, sampler = managed
     sampler.state = STARTING
-    sup.loads = {"trainer": (0, 0, 1), "sampler": (0, 0, 0)}   # trainer pulls, idle; sampler loading
+    sup.loads = {"trainer": (0, 0, 1, 0), "sampler": (0, 0, 0, 0)}   # trainer pulls, idle; sampler loading
     trainer.last_busy = time.monotonic() - 60
     asyncio.run(sup.tick(None))
     assert trainer.state == RUNNING and procs[0].poll() is None   # held, not SIGTERMed
     assert time.monotonic() - trainer.last_busy < 1
-    sup.loads["sampler"] = (0, 0, 1)                              # the sampler pulls: up
+    sup.loads["sampler"] = (0, 0, 1, 0)                           # the sampler pulls: up
     asyncio.run(sup.tick(None))
     assert sampler.state == RUNNING and trainer.state == RUNNING
     trainer.last_busy = sampler.last_busy = time.monotonic() - 60  # then both idle past the grace
