@@ -10,6 +10,8 @@
 #   ROWS (';'-separated driver arguments, one timed row each, e.g. "; --prompts 8 --max-tokens 64":
 #   the recipe's defaults, then bigger steps), DEADLINE (seconds from start after which no new row
 #   starts). One untimed sweep (--parallel 1) first: it starts both workers and their first passes.
+# A row's "worker_started_in" names the timed runs in which a worker process started (its pid changed: scaled to
+# zero and back, or a crash): such a run's time holds a model load and is not comparable.
 # Results: $OUT/sweep.json (one JSON object a line), $OUT/<tag>.log and <tag>/ (leaderboards), serve.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +41,13 @@ PYEOF
 echo "[$(( $(date +%s) - T0 ))s] healthy on $URL"
 export TINKER_BASE_URL=$URL TINKER_API_KEY=$(cat "$STATE/api_key") TINKER_TELEMETRY=0
 echo '{"learning_rate": [0.01], "rank": [8], "group_size": [4], "loss": ["importance_sampling"], "reward": ["arithmetic/shaped"]}' > "$OUT/space.json"
+pids() {  # the trainer's and sampler's pids now (supervisor.json): a row whose pids changed had a worker start in it
+  "$PY" - "$STATE/supervisor.json" <<'PYEOF'
+import json, sys
+p = json.load(open(sys.argv[1]))["processes"]
+print(",".join(f"{r['name']}={r['pid']}" for r in p if r["name"].startswith(("trainer", "sampler"))))
+PYEOF
+}
 run() {  # parallel tag [driver args...]: prints the wall seconds
   local par=$1 tag=$2; shift 2
   local t0; t0=$(now)
@@ -53,8 +62,10 @@ IFS=';' read -r -a rows <<<"${ROWS:- }"
 for args in "${rows[@]}"; do
   [ $(( $(date +%s) - T0 )) -lt "$DEADLINE" ] || { echo "deadline: row '$args' not run"; break; }
   # shellcheck disable=SC2086
-  W1=$(run 1 seq$i $args); WN=$(run "$N" par$i $args)
-  echo "{\"experiments\": $N, \"steps\": $STEPS, \"driver_args\": \"$(echo $args)\", \"sequential_s\": $W1, \"parallel_s\": $WN, \"speedup\": $("$PY" -c "print(round($W1 / $WN, 2))")}" | tee -a "$OUT/sweep.json"
+  p0=$(pids); W1=$(run 1 seq$i $args); p1=$(pids); WN=$(run "$N" par$i $args); p2=$(pids)
+  # a worker (re)started inside a timed row (scaled to zero meanwhile, or crashed): its start is in that row's time
+  starts=$("$PY" -c "import json, sys; a, b, c = sys.argv[1:]; print(json.dumps([n for n, x, y in (('sequential', a, b), ('parallel', b, c)) if x != y]))" "$p0" "$p1" "$p2")
+  echo "{\"experiments\": $N, \"steps\": $STEPS, \"driver_args\": \"$(echo $args)\", \"sequential_s\": $W1, \"parallel_s\": $WN, \"speedup\": $("$PY" -c "print(round($W1 / $WN, 2))"), \"worker_started_in\": $starts, \"pids\": [\"$p0\", \"$p1\", \"$p2\"]}" | tee -a "$OUT/sweep.json"
   i=$((i + 1))
 done
 t0=$(now)

@@ -246,7 +246,10 @@ step_stack_sample_rl() {
 #     dependencies, which the GPU image lacks) into $WORK/stk4
 #   - bench/autoresearch_sweep.sh: `openrl serve --model Qwen/Qwen3-4B-Instruct-2507=$WORK/q4b
 #     --idle-timeout $IDLE` on $SB/main (the state dir stack-sample-rl left, so vLLM's compile cache is warm),
-#     8 experiments one after another vs all at once, per row of ROWS, then the idle time to zero workers
+#     8 experiments one after another vs all at once, per row of ROWS, then the idle time to zero workers.
+#     IDLE defaults to 120 s here: at 30 s the gap between two rows (the driver's table, plot and next start)
+#     let the sampler scale to zero, and its 70 s vLLM start landed in the next timed row (H100, fifteenth
+#     session); sweep.json's worker_started_in names any row that still has a worker start in it
 # Build .whl/s4 here first: bash bench/stack_payload.sh (SKIP_VLLM=1 SKIP_GPU=1 for .whl/s4 alone).
 # DRY=1: the same on a CPU machine.
 # Results: ar/sweep.json, ar/*.log, logs4.tgz.
@@ -267,7 +270,7 @@ step_stack_sweep() {
   fi
   "$PY" -c "import optuna, sqlalchemy, matplotlib; print('optuna', optuna.__version__)" 2>&1 | tail -1
   mkdir -p "$SB/main"
-  N=${N:-8} STEPS=${STEPS:-3} IDLE=${IDLE:-30} OUT=$O/ar STATE=$SB/main PY=$PY SERVE_ARGS=$SERVE_ARGS MODEL=$MODEL_NAME \
+  N=${N:-8} STEPS=${STEPS:-3} IDLE=${IDLE:-120} OUT=$O/ar STATE=$SB/main PY=$PY SERVE_ARGS=$SERVE_ARGS MODEL=$MODEL_NAME \
     ROWS=${ROWS:-"; --prompts 8 --max-tokens 64"} DEADLINE=$(( ${CALL_LIMIT:-575} - 200 )) \
     timeout -k 20 $(( $(left) - 25 )) bash bench/autoresearch_sweep.sh 2>&1 | tee "$L/sweep.log"
   el "sweep rc=${PIPESTATUS[0]}"
