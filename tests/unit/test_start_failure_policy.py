@@ -62,7 +62,7 @@ class _Pulls(Supervisor):
     waiting = 0
 
     async def _load(self, js, m):
-        return (0, 0, self.waiting)
+        return (0, 0, self.waiting, 0)  # (pending, ack pending, waiting pulls, delivered)
 
 
 @pytest.fixture
