@@ -319,9 +319,8 @@ class Supervisor:
 
         try:
             info = await js.consumer_info(stream, durable)
-            delivered = getattr(info.delivered, "consumer_seq", None) if info.delivered is not None else None
             return (int(info.num_pending or 0), int(info.num_ack_pending or 0), int(info.num_waiting or 0),
-                    int(delivered or 0))
+                    int(getattr(info.delivered, "consumer_seq", 0) or 0))
         except NotFoundError:  # no worker ever bound it (new state dir): the stream holds the work
             try:
                 return int((await js.stream_info(stream)).state.messages or 0), 0, 0, 0
