@@ -138,31 +138,61 @@ def model_spec(text: str) -> tuple[str, str]:
     return name.strip(), directory.strip()
 
 
-def register_models(specs: Sequence[tuple[str, str]], state: Path) -> list:
+def register_models(specs: Sequence[tuple[str, str]], state: Path, *, defer_config: bool = False):
     """Validate and write each ``(NAME, DIR)`` of ``--model`` to ``<state>/models.toml``
     (:func:`openrl.model.registry.add_model`), before the stack starts; reports each on stderr.
 
+    Args:
+        defer_config: leave the ``AutoConfig`` check of configs not remembered yet to a
+            :class:`~openrl.cli.model_check.DeferredConfigCheck` that runs while the stack starts
+            (``openrl serve`` / ``openrl run``); the quick checks still run here.
+
     Returns:
-        The registered :class:`~openrl.model.registry.ModelEntry` objects.
+        The registered :class:`~openrl.model.registry.ModelEntry` objects; with ``defer_config``,
+        the (not yet started) :class:`~openrl.cli.model_check.DeferredConfigCheck`, or None when
+        every config was remembered.
 
     Raises:
         CLIError: a directory is not a loadable causal LM (the ``--model`` it came from, what is
             wrong, what it needs).
         RegistryError: an invalid name, or an overlay that does not load.
     """
-    from openrl.model.modelcheck import ModelDirError
-    from openrl.model.registry import add_model
+    from openrl.cli.model_check import MODEL_HINT, DeferredConfigCheck
+    from openrl.model.modelcheck import ModelDirError, config_check_needed
+    from openrl.model.registry import CHECKED_CONFIGS, add_model, overlay_entries
 
-    entries = []
+    models_dir = state / "models"
+    previous = overlay_entries([n for n, _ in specs or ()], models_dir=models_dir) if defer_config else {}
+    entries, pending = [], []
     for name, directory in specs or ():
+        later = defer_config and config_check_needed(directory, models_dir / CHECKED_CONFIGS)
         try:
-            entry = add_model(name, directory, models_dir=state / "models")
+            entry = add_model(name, directory, models_dir=models_dir, check_config=not later)
         except ModelDirError as exc:
-            raise CLIError(f"--model {name}={directory}: {exc}; give the directory of a Hugging Face causal LM "
-                           "(config.json, safetensors weights, tokenizer)") from None
-        _announce(entry, state, sys.stderr)
+            raise CLIError(f"--model {name}={directory}: {exc}; {MODEL_HINT}") from None
+        if later:
+            pending.append((name, directory))
         entries.append(entry)
-    return entries
+    if not pending:
+        for entry in entries:
+            _announce(entry, state, sys.stderr)
+        return None if defer_config else entries
+    # announced once every config passed (a failed check puts all of this command's entries back)
+    return DeferredConfigCheck(pending, previous, models_dir,
+                               announce=lambda: [_announce(e, state, sys.stderr) for e in entries])
+
+
+def _start_with_model_check(args: argparse.Namespace, start: Callable[[argparse.Namespace], int | None]) -> int | None:
+    """Register ``--model`` (its config check deferred), then ``start(args)`` with
+    ``args.model_check`` set to the check's wait (the stack calls it once its processes are
+    spawned, before it reports ready)."""
+    check = register_models(args.model, args.state_dir, defer_config=True)
+    args.model_check = check.start().wait if check is not None else None
+    try:
+        return start(args)
+    finally:
+        if check is not None:
+            check.close()
 
 
 @command
@@ -298,10 +328,13 @@ def _cmd_serve(args: argparse.Namespace) -> int | None:
     if not args.storage:
         args.storage = f"file://{args.state_dir / 'storage'}"
     args.build = not args.no_build
-    register_models(args.model, args.state_dir)
-    from openrl.transport import embedded  # lazy: pulls in the whole stack
 
-    return embedded.main(args)
+    def serve(a: argparse.Namespace) -> int | None:
+        from openrl.transport import embedded  # lazy: pulls in the whole stack (the config check already runs)
+
+        return embedded.main(a)
+
+    return _start_with_model_check(args, serve)
 
 
 @command
@@ -334,10 +367,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not Path(args.script).is_file():
         raise CLIError(f"{args.script}: no such script; give the path of a Python file (e.g. examples/rl_loop.py)")
     usable_state_dir(args.state_dir)
-    register_models(args.model, args.state_dir)
-    from openrl.transport import embedded
 
-    return embedded.run_script(args)
+    def run(a: argparse.Namespace) -> int | None:
+        from openrl.transport import embedded
+
+        return embedded.run_script(a)
+
+    return _start_with_model_check(args, run)
 
 
 @command

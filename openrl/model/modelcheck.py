@@ -38,7 +38,8 @@ class ModelDirError(RegistryError):
     """A directory is not a loadable causal LM; the message names what is missing or wrong."""
 
 
-def validate_model_dir(path: str | os.PathLike, checked: str | os.PathLike | None = None) -> None:
+def validate_model_dir(path: str | os.PathLike, checked: str | os.PathLike | None = None, *,
+                       config: bool = True) -> None:
     """Check that ``path`` is a Hugging Face causal-LM directory (see the module docstring).
 
     Loads only ``config.json``, never the weights.
@@ -51,6 +52,9 @@ def validate_model_dir(path: str | os.PathLike, checked: str | os.PathLike | Non
             host is seconds of every ``openrl serve --model`` start before its workers start
             (``openrl models add`` / ``--model`` pass ``<models_dir>/.checked-configs.json``).
             The weight and tokenizer checks (file names) run every time.
+        config: False skips the ``AutoConfig`` check (only that ``config.json`` exists is
+            checked): ``openrl serve --model`` runs it in a process of its own while the workers
+            start (:func:`config_check_needed`, :func:`main`).
 
     Raises:
         ModelDirError: ``path`` is not a directory, or has no ``config.json``, a config that
@@ -64,14 +68,36 @@ def validate_model_dir(path: str | os.PathLike, checked: str | os.PathLike | Non
         raise ModelDirError(f"{d} is not a directory")
     if not (d / "config.json").is_file():
         raise ModelDirError(f"{d} has no config.json (not a Hugging Face model directory)")
+    if config:
+        check_config(d, checked)
+    _check_weights(d)
+    _check_tokenizer(d)
+
+
+def config_check_needed(path: str | os.PathLike, checked: str | os.PathLike) -> bool:
+    """Whether ``path``'s ``config.json`` is not remembered in ``checked`` (its
+    :func:`check_config` would load it). Reads only the two files; never raises."""
+    d = Path(path).expanduser()
+    try:
+        return _config_key(d) not in _read_keys(Path(checked))
+    except OSError:
+        return True
+
+
+def check_config(path: str | os.PathLike, checked: str | os.PathLike | None = None) -> None:
+    """The ``AutoConfig`` part of :func:`validate_model_dir`, skipped for a config remembered in
+    ``checked`` and remembered there once it passes.
+
+    Raises:
+        ModelDirError: the config does not load, or is not a causal LM (the message names it).
+    """
+    d = Path(path).expanduser()
     key = _config_key(d) if checked is not None else None
     known = _read_keys(Path(checked)) if key is not None else []
     if key not in known:
         _check_config(d)
         if key is not None:
             _write_keys(Path(checked), [k for k in known if k != key][-63:] + [key])
-    _check_weights(d)
-    _check_tokenizer(d)
 
 
 def _config_key(d: Path) -> str:
@@ -159,3 +185,31 @@ def _check_tokenizer(d: Path) -> None:
                             f"vocabulary file ({', '.join(VOCAB_FILES)}, *.tiktoken)")
     raise ModelDirError(f"{d} has no tokenizer (tokenizer.json, or tokenizer_config.json with "
                         f"{' / '.join(VOCAB_FILES)} / *.tiktoken)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m openrl.model.modelcheck --checked FILE DIR [DIR ...]``: :func:`check_config` of
+    each directory, in a process of its own (``openrl serve --model`` runs it while its workers
+    start: the check's torch import then costs the start nothing).
+
+    Returns:
+        0 when every config passed; 3 after printing the first failure to stdout as one JSON
+        object ``{"path": DIR, "error": message}``.
+    """
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m openrl.model.modelcheck")
+    p.add_argument("--checked", default=None, help="the remembered configs (.checked-configs.json)")
+    p.add_argument("dirs", nargs="+")
+    args = p.parse_args(argv)
+    for d in args.dirs:
+        try:
+            check_config(d, args.checked)
+        except ModelDirError as exc:
+            print(json.dumps({"path": d, "error": str(exc)}), flush=True)
+            return 3
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -43,7 +43,7 @@ import tomllib
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 from openrl.config import DEFAULT_HOME, Settings
 from openrl.errors import RegistryError, UserError  # RegistryError: re-exported (its home is openrl.errors)
@@ -411,7 +411,7 @@ CHECKED_CONFIGS = ".checked-configs.json"
 
 
 def add_model(name: str, directory: str | os.PathLike, *, models_dir: str | os.PathLike | None = None,
-              dtype: str = "auto", max_context_length: int | None = None) -> ModelEntry:
+              dtype: str = "auto", max_context_length: int | None = None, check_config: bool = True) -> ModelEntry:
     """Validate a local Hugging Face directory and write (or replace) its entry in the overlay.
 
     Args:
@@ -421,6 +421,9 @@ def add_model(name: str, directory: str | os.PathLike, *, models_dir: str | os.P
         models_dir: selects the overlay (:func:`overlay_path`); default ``<state_dir>/models``.
         dtype: one of :data:`DTYPE_NAMES`.
         max_context_length: stored when given; else the overlay's ``[defaults]`` or 4096 applies.
+        check_config: False leaves out the ``AutoConfig`` load (the caller runs
+            :func:`openrl.model.modelcheck.check_config` itself, and undoes the entry with
+            :func:`restore_overlay_entries` when it fails).
 
     Returns:
         The entry as every process now resolves it.
@@ -437,7 +440,7 @@ def add_model(name: str, directory: str | os.PathLike, *, models_dir: str | os.P
         raise RegistryError(f"model name {name!r}: must be a non-empty string without surrounding spaces")
     path = Path(os.path.abspath(Path(directory).expanduser()))
     mdir = Path(os.path.abspath(Path(models_dir).expanduser())) if models_dir is not None else default_models_dir()
-    validate_model_dir(path, checked=mdir / CHECKED_CONFIGS)
+    validate_model_dir(path, checked=mdir / CHECKED_CONFIGS, config=check_config)
     spec: dict[str, Any] = {"path": str(path), "dtype": dtype}
     if max_context_length is not None:
         spec["max_context_length"] = max_context_length
@@ -473,6 +476,42 @@ def remove_model(name: str, *, models_dir: str | os.PathLike | None = None) -> P
         del models[name]
         _write_toml(ov, data)
     return ov
+
+
+def overlay_entries(names: Iterable[str], *, models_dir: str | os.PathLike | None = None) -> dict[str, dict | None]:
+    """The overlay's own entries for ``names`` as stored (None: no entry), to hand to
+    :func:`restore_overlay_entries`.
+
+    Raises:
+        RegistryError: the overlay is not valid TOML.
+    """
+    ov = overlay_path(models_dir)
+    data = _read_toml(ov) if ov.exists() else {}
+    models = data.get("models") if isinstance(data.get("models"), dict) else {}
+    return {n: (dict(models[n]) if isinstance(models.get(n), dict) else None) for n in names}
+
+
+def restore_overlay_entries(entries: Mapping[str, dict | None], *,
+                            models_dir: str | os.PathLike | None = None) -> None:
+    """Put the overlay's entries back as :func:`overlay_entries` saw them (None: removed), e.g.
+    after ``--model NAME=DIR`` wrote NAME and its config check then failed: what was stored
+    before is not lost.
+
+    Raises:
+        RegistryError: the overlay is not valid TOML.
+    """
+    ov = overlay_path(models_dir)
+    with _overlay_lock(ov):
+        data = _read_toml(ov) if ov.exists() else {}
+        models = data.setdefault("models", {})
+        if not isinstance(models, dict):
+            raise RegistryError(f"{ov}: 'models' must be a table")
+        for name, spec in entries.items():
+            if spec is None:
+                models.pop(name, None)
+            else:
+                models[name] = dict(spec)
+        _write_toml(ov, data)
 
 
 class _overlay_lock:

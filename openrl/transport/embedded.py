@@ -95,6 +95,9 @@ class Stack:
     preload: list[str] = field(default_factory=list)  # base models the workers load at start (--model names)
     supervise: bool = False  # restart dead processes, scale idle workers to zero (openrl serve / run)
     command_t0: float | None = None  # openrl serve / run: time.monotonic() at the command's start (serve_to_workers)
+    # --model's config check running beside the start (openrl/cli/model_check.py): called once the processes are
+    # spawned, before the stack reports ready; it raises CLIError (the stack is then stopped)
+    model_check: Callable[[], None] | None = None
     idle_timeout: float = 0.0  # --idle-timeout: seconds a worker may idle before it stops (supervise; 0 = never)
     sleep_after: float | None = None  # --sleep-after: seconds before an idle worker sleeps (None: $OPENRL_SLEEP_AFTER)
     supervisor: "Supervisor | None" = None  # set by start() when supervise
@@ -171,8 +174,8 @@ class Stack:
 
         Raises:
             openrl.errors.CLIError: the state dir's previous stack still partly runs, the port is
-                taken, or a process exited / the gateway did not answer while starting (what was
-                started is stopped again).
+                taken, a process exited / the gateway did not answer while starting, or
+                :attr:`model_check` failed (what was started is stopped again).
             RuntimeError, TimeoutError: nats-server did not listen.
         """
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -262,6 +265,8 @@ class Stack:
             self.procs.append(None if cons and self._starts_at_zero else spawn())
         if build_later:  # before the gateway reports healthy: no request reaches a half-built model
             ensure_built(registry)
+        if self.model_check is not None:  # a --model config that fails stops the start here
+            self.model_check()
         self._wait_healthy()
         self._wait_reported({i: name for i, (name, _, _, cons) in enumerate(specs)
                              if cons and self.procs[i] is not None})
@@ -471,7 +476,7 @@ def _stack_from_args(args) -> Stack:
                  sampler_gpu_memory=getattr(args, "sampler_gpu_memory", None),
                  deterministic=getattr(args, "deterministic", None),
                  preload=[name for name, _ in getattr(args, "model", None) or []], supervise=True,
-                 command_t0=getattr(args, "t0", None),
+                 command_t0=getattr(args, "t0", None), model_check=getattr(args, "model_check", None),
                  idle_timeout=cfg.idle_timeout if idle is None else float(idle),
                  sleep_after=float(sleep_after))
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from openrl import cli
+from openrl.model import registry
 from openrl.model.modelcheck import ModelDirError, validate_model_dir
 from openrl.model.registry import (
     DTYPE_NAMES,
@@ -331,13 +332,17 @@ def test_model_spec_bad_is_a_usage_error(capsys):
 
 @pytest.fixture
 def fake_embedded(monkeypatch):
-    """openrl.transport.embedded replaced by a recorder: serve / run return before starting a stack."""
+    """openrl.transport.embedded replaced by a recorder: serve / run return before starting a stack
+    (after waiting for ``args.model_check``, the deferred ``--model`` config check, as the stack does
+    once its processes are spawned)."""
     seen: list[tuple[str, argparse.Namespace, dict]] = []
 
     def record(kind):
         def f(args):
             ov = overlay_path(args.state_dir / "models")
             seen.append((kind, args, tomllib.loads(ov.read_text()) if ov.exists() else {}))
+            if args.model_check is not None:
+                args.model_check()
             return 0
         return f
 
@@ -375,6 +380,60 @@ def test_serve_with_an_invalid_model_does_not_start(tmp_path, capsys, fake_embed
     rc, _, err = run_cli(capsys, "--state-dir", tmp_path / "state", "serve", "--model", f"x={tmp_path / 'empty'}")
     assert rc == 1 and "has no config.json" in err
     assert fake_embedded == []
+
+
+def test_a_deferred_config_check_that_fails_puts_the_overlay_back(tiny, tmp_path, capsys, fake_embedded):
+    """``--model``'s AutoConfig check runs beside the start (openrl/cli/model_check.py): the entry
+    is written first; when the check fails, the command fails naming it and every entry it wrote
+    is put back as it was (an entry it replaced, one it added)."""
+    bad = tmp_path / "t5"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    (bad / "model.safetensors").write_bytes(b"")
+    (bad / "tokenizer.json").write_text("{}")
+    state = tmp_path / "state"
+    add_model(NAME, tiny, models_dir=state / "models", dtype="float32")
+    before = tomllib.loads(overlay_path(state / "models").read_text())["models"]
+    rc, _, err = run_cli(capsys, "--state-dir", state, "serve", "--no-build",
+                         "--model", f"{NAME}={bad}", "--model", f"org/new={tiny}")
+    assert rc == 1 and f"--model {NAME}={bad}: " in err and "model_type 't5' is not a causal LM" in err, err
+    ((_, _, during),) = fake_embedded
+    assert during["models"][NAME]["path"] == str(bad)  # written before the stack started
+    assert tomllib.loads(overlay_path(state / "models").read_text())["models"] == before
+    assert "registered in" not in err  # announced only once the check passed
+
+
+def test_overlay_entries_and_their_restore(tiny, tmp_path):
+    mdir = tmp_path / "models"
+    add_model(NAME, tiny, models_dir=mdir, max_context_length=1024)
+    saved = registry.overlay_entries([NAME, "org/none"], models_dir=mdir)
+    assert saved == {NAME: {"path": str(tiny), "dtype": "auto", "max_context_length": 1024}, "org/none": None}
+    add_model(NAME, tiny, models_dir=mdir, dtype="bfloat16")
+    add_model("org/none", tiny, models_dir=mdir)
+    registry.restore_overlay_entries(saved, models_dir=mdir)
+    assert tomllib.loads(overlay_path(mdir).read_text())["models"] == {NAME: saved[NAME]}
+
+
+def test_the_config_check_process(tiny, tmp_path):
+    """``python -m openrl.model.modelcheck``: 0 when every config passes (then remembered), 3 and
+    one JSON line naming the first failure."""
+    import subprocess
+
+    from openrl.model import modelcheck
+
+    checked = tmp_path / "checked.json"
+    bad = copy_without(tiny, tmp_path / "bad", "config.json")
+    (bad / "config.json").write_text(json.dumps({"model_type": "no-such-arch"}))
+    assert modelcheck.config_check_needed(tiny, checked)
+    ok = subprocess.run([sys.executable, "-m", "openrl.model.modelcheck", "--checked", str(checked), str(tiny)],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout == "", ok.stderr
+    assert not modelcheck.config_check_needed(tiny, checked)
+    no = subprocess.run([sys.executable, "-m", "openrl.model.modelcheck", "--checked", str(checked), str(tiny), str(bad)],
+                        capture_output=True, text=True, timeout=120)
+    assert no.returncode == 3, no.stderr
+    failed = json.loads(no.stdout)
+    assert failed["path"] == str(bad) and "does not load with transformers.AutoConfig" in failed["error"]
 
 
 # -- the embedded stack serves an added model -----------------------------------------------------
