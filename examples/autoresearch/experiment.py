@@ -93,14 +93,25 @@ async def run_experiment(service, base_model: str, cfg: ExperimentConfig, steps:
         tinker.APIError (and subclasses): the service failed a request.
     """
     task = tasks.task_of(cfg.reward)
-    score = tasks.REWARDS[cfg.reward]
     rng = random.Random(cfg.seed)
     training = await service.create_lora_training_client(base_model=base_model, rank=cfg.rank, seed=cfg.seed)
-    tok = await shared_tokenizer(training, base_model)
+    # The tokenizer loads (seconds of client CPU, once per driver) while the first weights are saved.
+    tok_load = asyncio.ensure_future(shared_tokenizer(training, base_model))
+    try:
+        return await _rl_steps(training, tok_load, task, rng, cfg, steps, ctx, on_step)
+    finally:
+        tok_load.cancel()  # a no-op once loaded; else only this wait ends, the shared load goes on (shielded)
+
+
+async def _rl_steps(training, tok_load: asyncio.Future, task: str, rng: random.Random, cfg: ExperimentConfig,
+                    steps: int, ctx: tasks.TaskContext, on_step: Callable[[dict], None]) -> list[dict]:
+    """run_experiment's warm-up and RL steps, given its training client and the tokenizer's load."""
+    score = tasks.REWARDS[cfg.reward]
     adam = types.AdamParams(learning_rate=cfg.learning_rate)
     if cfg.warmup_steps and task == "arithmetic":
         from rl_loop import sft_datum
 
+        tok = await tok_load
         pool = tasks.make_problems(32, random.Random(cfg.seed + 1), tasks.MAX_OPERAND)
         for _ in range(cfg.warmup_steps):
             fb = training.forward_backward([sft_datum(tok, q, f" {a}") for q, a in rng.sample(pool, 8)], "cross_entropy")
@@ -108,12 +119,15 @@ async def run_experiment(service, base_model: str, cfg: ExperimentConfig, steps:
             await fb
             await opt
     spans = cfg.loss == "stable_reinforce"
-    params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                                  stop=tasks.stop_tokens(task, tok))
     records = []
     for step in range(steps):
         t0 = time.perf_counter()
         sampler = await training.save_weights_and_get_sampling_client(record_stability_info=spans)
+        t_tok = time.perf_counter()
+        tok = await tok_load
+        tok_wait = time.perf_counter() - t_tok  # not the step's own time (step 0 only; then it is loaded)
+        params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                                      stop=tasks.stop_tokens(task, tok))
         batch = tasks.problems(task, cfg.prompts, rng, tok, ctx)
         results = await asyncio.gather(*(
             sampler.sample(types.ModelInput.from_ints(p.prompt_tokens), num_samples=cfg.group_size,
@@ -134,7 +148,7 @@ async def run_experiment(service, base_model: str, cfg: ExperimentConfig, steps:
         mean_r = float(np.mean(rewards_all))
         if not math.isfinite(mean_r):
             raise RuntimeError(f"step {step}: non-finite mean reward {mean_r}")
-        rec = {"step": step, "reward": mean_r, "loss": loss, "seconds": round(time.perf_counter() - t0, 3)}
+        rec = {"step": step, "reward": mean_r, "loss": loss, "seconds": round(time.perf_counter() - t0 - tok_wait, 3)}
         records.append(rec)
         on_step(rec)
     return records
