@@ -57,6 +57,7 @@ class Driver:
         else:
             self.proposer = OptunaProposer(self.out, self.space, seed=args.seed, pruner=args.pruner)
         self.deadline = time.monotonic() + args.time_budget if args.time_budget else None
+        self._plot_preload = None  # lbm.preload_plotting()'s thread, started at the sweep's first step
 
     def time_up(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
@@ -66,6 +67,8 @@ class Driver:
         steps: list[dict] = []
 
         def on_step(rec: dict) -> None:
+            if self._plot_preload is None:  # the first step of the sweep: the tokenizer has loaded
+                self._plot_preload = lbm.preload_plotting()
             steps.append(rec)
             self.lb.step(exp_id, rec)
             loss = "-" if rec["loss"] is None else f"{rec['loss']:.4f}"
