@@ -60,7 +60,7 @@ from functions.trainer.engine import FwdBwdItem, FwdBwdResult, TrainerEngine
 from functions.trainer.mismatch import MismatchStats
 from functions.trainer.rows import Row, plan_micro_batches, row_step
 from openrl.errors import ServerError
-from openrl.model.lora import LoraSpec
+from openrl.model.lora import LoraSpec, PreparedAdapter
 from openrl.model.logprobs import DEFAULT_CHUNK_TOKENS
 
 log = logging.getLogger(__name__)
@@ -188,13 +188,16 @@ class DistributedTrainerEngine(TrainerEngine):
         if self.rank == 0 and self.world > 1:
             dist.broadcast_object_list([(name, args)], src=0, group=self._control)
 
-    def create_run(self, model_id: str, spec: LoraSpec) -> None:
-        """As ``TrainerEngine.create_run``; a missing seed is drawn here, so every rank's
-        adapter is initialised the same."""
-        if spec.seed is None:
+    def create_run(self, model_id: str, spec: LoraSpec, prepared: PreparedAdapter | None = None) -> None:
+        """As ``TrainerEngine.create_run``; a missing seed is drawn here (or taken from
+        ``prepared``, whose seed :meth:`prepare_run` resolved), so every rank's adapter is
+        initialised the same."""
+        if prepared is not None:
+            spec = prepared.spec
+        elif spec.seed is None:
             spec = replace(spec, seed=secrets.randbits(63))
         self._send("create_run", model_id, spec)
-        super().create_run(model_id, spec)
+        super().create_run(model_id, spec, prepared)
 
     def delete_run(self, model_id: str) -> None:
         self._send("delete_run", model_id)

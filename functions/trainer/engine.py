@@ -60,7 +60,7 @@ from openrl.config import Settings
 from openrl.edge.proto import FwdBwdDatum
 from openrl.errors import NotFound, ServerError, UserError
 from openrl.observe import startup
-from openrl.model.lora import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, LoraSpec, MultiLoRAModel
+from openrl.model.lora import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, LoraSpec, MultiLoRAModel, PreparedAdapter
 from openrl.model.kernels import accelerate_model, kernel_status
 from openrl.model.logprobs import DEFAULT_CHUNK_TOKENS, pad_batch, target_logprobs
 
@@ -207,8 +207,18 @@ class TrainerEngine(RunStateIO):
 
     # -------------------------------------------------------------------- runs
 
-    def create_run(self, model_id: str, spec: LoraSpec) -> None:
-        """Create run ``model_id`` with a fresh adapter (seeded init, B = 0) and AdamW.
+    def prepare_run(self, spec: LoraSpec) -> PreparedAdapter:
+        """A new run's adapter tensors (:meth:`MultiLoRAModel.prepare_adapter`), made outside
+        the engine lock; :meth:`create_run` attaches them.
+
+        Raises:
+            UserError: invalid spec (``lora_config.*``).
+        """
+        return self.model.prepare_adapter(spec)
+
+    def create_run(self, model_id: str, spec: LoraSpec, prepared: PreparedAdapter | None = None) -> None:
+        """Create run ``model_id`` with a fresh adapter (seeded init, B = 0; ``prepared`` by
+        :meth:`prepare_run` from the same spec, else made here) and AdamW.
 
         Raises:
             UserError: invalid spec (``lora_config.*``).
@@ -216,7 +226,7 @@ class TrainerEngine(RunStateIO):
         """
         if model_id in self.runs:
             raise ValueError(f"run {model_id!r} already exists")
-        self.model.add_adapter(model_id, spec)
+        self.model.add_adapter(model_id, spec, prepared=prepared)
         self.runs[model_id] = Run(self.model.adapter_spec(model_id), self._new_optimizer(model_id))
 
     def has_run(self, model_id: str) -> bool:

@@ -364,14 +364,17 @@ class TrainerFunction:
         key = await asyncio.to_thread(self._engine_for, p.base_model)
         engine = self.engines[key]
         spec = lora_spec(lora)
+        # the adapter's init and host-to-device copy outside the engine lock (the run lock keeps
+        # idle sleep out meanwhile): packed passes of other runs go on while a run is created
+        prepared = await asyncio.to_thread(engine.prepare_run, spec)
         async with self._lock:
             if load is not None and load.path:
                 ckpt = TinkerPath.parse(load.path)
                 src = await asyncio.to_thread(self.storage.get_dir, ckpt)
-                await asyncio.to_thread(engine.create_run, model_id, spec)
+                await asyncio.to_thread(engine.create_run, model_id, spec, prepared)
                 await asyncio.to_thread(engine.load_state, model_id, src, load.optimizer, spec)
             else:
-                await asyncio.to_thread(engine.create_run, model_id, spec)
+                await asyncio.to_thread(engine.create_run, model_id, spec, prepared)
         self.runs.add(model_id, key, {"base_model": p.base_model, "lora_config": lora,
                                       "optimizer_config": p.optimizer_config})
         self.scheduler.reset(model_id, 1)

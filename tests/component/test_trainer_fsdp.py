@@ -173,3 +173,25 @@ def test_non_finite_loss_fails_the_pass_on_every_rank(engines):
     for run in SPECS:
         dist.zero_grad(run)
         ref.zero_grad(run)
+
+
+def test_a_prepared_run_has_the_same_adapter_on_every_rank(engines):
+    """The trainer function prepares a run's adapter outside its engine lock (``prepare_run``,
+    which draws a missing seed) and then creates it: the follower rank gets that seed, so the
+    2-rank engine's gradients equal one process's for the run created with the same spec."""
+    ref, dist = engines
+    prepared = dist.prepare_run(LoraSpec(rank=4))  # no seed: drawn by prepare_run
+    dist.create_run("c", LoraSpec(rank=4), prepared)
+    ref.create_run("c", prepared.spec)
+    try:
+        rng = np.random.RandomState(10)
+        seqs = [_seq(rng, n) for n in (12, 9, 7)]
+        items = [FwdBwdItem("c", [Datum(list(t[:-1]), {"target_tokens": t[1:]}) for t in seqs],
+                            "cross_entropy", None, False)]
+        _assert_same(dist.forward_backward(items), ref.forward_backward(items))
+        for x, y in zip(_grads(dist, "c"), _grads(ref, "c")):  # B's gradient depends on every rank's A
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+    finally:
+        dist.delete_run("c")
+        ref.delete_run("c")
+

@@ -310,6 +310,25 @@ def test_seeded_init_is_deterministic(engine, model_dir):
         engine.delete_run(r)
 
 
+def test_a_prepared_run_is_the_same_run(engine):
+    """``prepare_run`` (the trainer runs it outside its engine lock) makes the adapter's tensors
+    without touching the model; ``create_run`` with them gives the same bits as creating in one
+    go, and the seed it drew is the one recorded."""
+    before = {n for n, _ in engine.model.named_parameters()}
+    prepared = engine.prepare_run(LoraSpec(rank=4))
+    assert {n for n, _ in engine.model.named_parameters()} == before and not engine.has_run("p1")
+    engine.create_run("p1", LoraSpec(rank=4), prepared)
+    engine.create_run("p2", LoraSpec(rank=4, seed=prepared.spec.seed))
+    assert engine.run_spec("p1") == engine.run_spec("p2") == prepared.spec
+    assert all(torch.equal(a, b) for a, b in zip(_params(engine, "p1"), _params(engine, "p2")))
+    with pytest.raises(ValueError, match="already exists"):
+        engine.create_run("p1", LoraSpec(rank=4), engine.prepare_run(LoraSpec(rank=4)))
+    with pytest.raises(UserError, match="lora_config"):
+        engine.prepare_run(LoraSpec(rank=0))
+    for r in ("p1", "p2"):
+        engine.delete_run(r)
+
+
 # ----------------------------------------------------------------- validation
 
 

@@ -60,7 +60,7 @@ from openrl.model.lora.config import (
     LoraSpec,
 )
 from openrl.model.lora.layer import MultiLoRALinear
-from openrl.model.lora.model import MultiLoRAModel
+from openrl.model.lora.model import MultiLoRAModel, PreparedAdapter
 from openrl.model.lora.ops import KernelPlan, LoraKernelSettings, grouped_mm_support
 from openrl.model.lora.peft_io import (
     ADAPTER_CONFIG_NAME,
@@ -84,6 +84,7 @@ __all__ = [
     "MLP_TARGETS",
     "MultiLoRALinear",
     "MultiLoRAModel",
+    "PreparedAdapter",
     "PEFT_KEY_PREFIX",
     "Router",
     "UNEMBED_TARGET",
