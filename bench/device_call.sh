@@ -270,7 +270,9 @@ step_stack_sweep() {
   fi
   "$PY" -c "import optuna, sqlalchemy, matplotlib; print('optuna', optuna.__version__)" 2>&1 | tail -1
   mkdir -p "$SB/main"
-  N=${N:-8} STEPS=${STEPS:-3} IDLE=${IDLE:-120} OUT=$O/ar STATE=$SB/main PY=$PY SERVE_ARGS=$SERVE_ARGS MODEL=$MODEL_NAME \
+  # 6 steps an experiment: with 3 (the fifteenth session) the driver's own 13 s and the creates were most of
+  # either run; --idle-timeout 60: idle now means no message delivered (c100c26), and a row's gap is < 30 s
+  N=${N:-8} STEPS=${STEPS:-6} IDLE=${IDLE:-60} OUT=$O/ar STATE=$SB/main PY=$PY SERVE_ARGS=$SERVE_ARGS MODEL=$MODEL_NAME \
     ROWS=${ROWS:-"; --prompts 8 --max-tokens 64"} DEADLINE=$(( ${CALL_LIMIT:-575} - 200 )) \
     timeout -k 20 $(( $(left) - 25 )) bash bench/autoresearch_sweep.sh 2>&1 | tee "$L/sweep.log"
   el "sweep rc=${PIPESTATUS[0]}"
