@@ -7,7 +7,7 @@ and kept here, once per process:
 
 | phase | where | what it holds |
 |---|---|---|
-| ``serve_to_workers`` | ``openrl.transport.embedded`` | the ``openrl serve`` / ``run`` command's start (``openrl.cli.main``, after the interpreter's start and the CLI's import) → its first process spawned (the ``--model`` check, a model build); in ``<state>/ports.json`` (``startup``) |
+| ``serve_to_workers`` | ``openrl.transport.embedded`` | the ``openrl serve`` / ``run`` command's start (``openrl.cli.main``, after the interpreter's start and the CLI's import) → its first process spawned (``--model``'s file checks, a model build; its ``AutoConfig`` check runs beside the start since af0bd6b, openrl/cli/model_check.py); in ``<state>/ports.json`` (``startup``) |
 | ``process_to_serve`` | ``openrl.transport.worker.serve`` | process start → the worker's entry (interpreter, imports) |
 | ``function_start`` | same | ``Function.start()``: storage, registry, preloaded models |
 | ``ready`` | same | process start → consuming its JetStream work |
