@@ -352,23 +352,47 @@ class Stack:
             time.sleep(0.1)
 
     def _wait_healthy(self, timeout_s: float = 120.0) -> None:
+        """Wait until this stack's gateway answers: ``/api/v1/healthz`` 200, and
+        ``/api/v1/get_server_capabilities`` 200 with the stack's API key. The second check tells
+        this gateway from another server on the same port: two stacks started at once on one
+        port both get their :class:`PortHold` (two ``SO_REUSEADDR`` sockets that do not listen
+        share a port on Linux), the first gateway to listen wins and the other exits with
+        ``EADDRINUSE``, and the loser's healthz would otherwise be answered by the winner.
+
+        Raises:
+            CLIError: a process that must live exited (for the gateway while another server
+                answered on its port: that port is taken, pick another), or no answer within
+                ``timeout_s``.
+        """
         import httpx
 
         deadline = time.monotonic() + timeout_s
+        stranger = False  # a server answered healthz on our port but refused the stack's key
         while time.monotonic() < deadline:
             for i, p in enumerate(self.procs):
                 if p is not None and p.poll() is not None and i in getattr(self, "_must_live", range(len(self.procs))):
                     cmd = list(p.args)
                     cmd = cmd[cmd.index("--") + 1:] if "--" in cmd else cmd  # the tether's command
+                    if stranger and "functions.gateway" in cmd:
+                        raise CLIError(f"{self.host}:{self.port} is taken by another server (it answers /api/v1/healthz "
+                                       f"but refuses this stack's API key; another openrl serve that started at the "
+                                       f"same time?) and this stack's gateway exited with {p.returncode}; pick a free "
+                                       f"port with --port (0: any free port); its log is in {self.state_dir / 'logs'}")
                     raise CLIError(f"{' '.join(map(str, cmd[:4]))} exited with {p.returncode} while the stack "
                                    f"started; its log is in {self.state_dir / 'logs'}")
             try:
                 if httpx.get(f"{self.base_url}/api/v1/healthz", timeout=1).status_code == 200:
-                    return
+                    ours = httpx.get(f"{self.base_url}/api/v1/get_server_capabilities", timeout=2,
+                                     headers={"X-API-Key": self.api_key})
+                    if ours.status_code == 200:
+                        return
+                    stranger = True
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise CLIError(f"the gateway did not answer {self.base_url}/api/v1/healthz within {timeout_s:g} s; "
+        taken = (f"; {self.host}:{self.port} is answered by another server that refuses this stack's API key"
+                 if stranger else "")
+        raise CLIError(f"the gateway did not answer {self.base_url}/api/v1/healthz within {timeout_s:g} s{taken}; "
                        f"its log is in {self.state_dir / 'logs' / 'gateway.log'}")
 
     def stop(self) -> None:

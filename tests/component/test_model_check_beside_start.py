@@ -65,7 +65,7 @@ def test_a_config_is_checked_while_the_stack_starts_and_then_remembered(tmp_path
     state = tmp_path / "st"
     checked = state / "models" / CHECKED_CONFIGS
     for first in (True, False):
-        rc, out, err = openrl("run", "--state-dir", state, "--no-build", "--idle-timeout", 0,
+        rc, out, err = openrl("run", "--state-dir", state, "--no-build", "--idle-timeout", 0, "--port", 0,
                               "--model", f"org/tiny={good}", script, home=tmp_path)
         assert rc == 0, err
         assert "reached" in out
