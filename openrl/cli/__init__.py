@@ -138,19 +138,17 @@ def model_spec(text: str) -> tuple[str, str]:
     return name.strip(), directory.strip()
 
 
-def register_models(specs: Sequence[tuple[str, str]], state: Path, *, defer_config: bool = False):
+def register_models(specs: Sequence[tuple[str, str]], state: Path):
     """Validate and write each ``(NAME, DIR)`` of ``--model`` to ``<state>/models.toml``
-    (:func:`openrl.model.registry.add_model`), before the stack starts; reports each on stderr.
-
-    Args:
-        defer_config: leave the ``AutoConfig`` check of configs not remembered yet to a
-            :class:`~openrl.cli.model_check.DeferredConfigCheck` that runs while the stack starts
-            (``openrl serve`` / ``openrl run``); the quick checks still run here.
+    (:func:`openrl.model.registry.add_model`), before the stack starts; reports each on stderr
+    once its config has passed. The quick checks (directory, file names) run here; the
+    ``AutoConfig`` check of a config not remembered yet is left to a
+    :class:`~openrl.cli.model_check.DeferredConfigCheck` that runs while the stack starts
+    (``openrl serve`` / ``openrl run``).
 
     Returns:
-        The registered :class:`~openrl.model.registry.ModelEntry` objects; with ``defer_config``,
-        the (not yet started) :class:`~openrl.cli.model_check.DeferredConfigCheck`, or None when
-        every config was remembered.
+        The (not yet started) :class:`~openrl.cli.model_check.DeferredConfigCheck`, or None when
+        every config was remembered (the entries are then announced here).
 
     Raises:
         CLIError: a directory is not a loadable causal LM (the ``--model`` it came from, what is
@@ -162,10 +160,10 @@ def register_models(specs: Sequence[tuple[str, str]], state: Path, *, defer_conf
     from openrl.model.registry import CHECKED_CONFIGS, add_model, overlay_entries
 
     models_dir = state / "models"
-    previous = overlay_entries([n for n, _ in specs or ()], models_dir=models_dir) if defer_config else {}
+    previous = overlay_entries([n for n, _ in specs or ()], models_dir=models_dir)
     entries, pending = [], []
     for name, directory in specs or ():
-        later = defer_config and config_check_needed(directory, models_dir / CHECKED_CONFIGS)
+        later = config_check_needed(directory, models_dir / CHECKED_CONFIGS)
         try:
             entry = add_model(name, directory, models_dir=models_dir, check_config=not later)
         except ModelDirError as exc:
@@ -176,7 +174,7 @@ def register_models(specs: Sequence[tuple[str, str]], state: Path, *, defer_conf
     if not pending:
         for entry in entries:
             _announce(entry, state, sys.stderr)
-        return None if defer_config else entries
+        return None
     # announced once every config passed (a failed check puts all of this command's entries back)
     return DeferredConfigCheck(pending, previous, models_dir,
                                announce=lambda: [_announce(e, state, sys.stderr) for e in entries])
@@ -186,7 +184,7 @@ def _start_with_model_check(args: argparse.Namespace, start: Callable[[argparse.
     """Register ``--model`` (its config check deferred), then ``start(args)`` with
     ``args.model_check`` set to the check's wait (the stack calls it once its processes are
     spawned, before it reports ready)."""
-    check = register_models(args.model, args.state_dir, defer_config=True)
+    check = register_models(args.model, args.state_dir)
     args.model_check = check.start().wait if check is not None else None
     try:
         return start(args)
