@@ -108,7 +108,7 @@ class Settings(BaseSettings):
                                   "same bits; off: on an H100, deterministic mode, 8 runs, it saved 21 percent of the casts "
                                   "and the pass time moved within noise (0.99-1.03); the default plan never uses it there)")
     deterministic: bool = Field(False, description="deterministic mode (issue 33): packing never changes a run's "
-                                "numbers; each datum / sampled sequence runs in its own forward (slower). A "
+                                "numbers; each datum / sampling request runs in its own forward (slower). A "
                                 "registry entry's `deterministic` overrides it per base model")
     trainer_gpus: int = Field(
         1, ge=1, validation_alias=_env("OPENRL_TRAINER_GPUS", "OPENRL_TRAINER_PROCS"),

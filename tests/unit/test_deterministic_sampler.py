@@ -116,13 +116,13 @@ async def test_mode_off_is_not_exact_here(model_dir, adapter_dirs):
         pytest.skip("batched decoding happened to be exact on this CPU without the mode")
 
 
-async def test_mode_decodes_each_sequence_in_its_own_forward(model_dir, adapter_dirs):
-    """One prefill per job and one forward per running sequence per step: 2 jobs of 3 and 1
-    samples, 4 tokens each: 2 prefills + 3 decode steps x 4 rows."""
+async def test_mode_decodes_each_job_in_its_own_forward(model_dir, adapter_dirs):
+    """One prefill per job and one forward per running job per step: 2 jobs of 3 and 1
+    samples, 4 tokens each: 2 prefills + 3 decode steps x 2 jobs."""
     eng = await _engine(model_dir, adapter_dirs, deterministic=True)
     jobs = [sample_job([1, 2, 3], "k0", num_samples=3, max_tokens=4, temperature=1.0, seed=5, stop=[]),
             sample_job([9, 8], None, num_samples=1, max_tokens=4, temperature=0.0, stop=[])]
     before = eng.backend.steps
     await asyncio.gather(*(eng.sample(j) for j in jobs))
-    assert eng.backend.steps - before == 2 + 3 * 4
+    assert eng.backend.steps - before == 2 + 3 * 2
     await eng.close()

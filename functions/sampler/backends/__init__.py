@@ -44,7 +44,7 @@ def make_backend(
         max_batch_rows: most sequences decoded together; None = the backend's default
             (transformers 64; vLLM 256 or ``$OPENRL_SAMPLER_MAX_NUM_SEQS``, so that 128
             concurrent samples share one decode batch).
-        deterministic: the deterministic mode (issue 33): transformers with every sequence
+        deterministic: the deterministic mode (issue 33): transformers with every job
             decoded alone (:mod:`functions.sampler.backends.hf_solo`); ``"auto"`` then picks
             transformers (vLLM's batch-invariant mode is not wired in yet).
 

@@ -114,8 +114,8 @@ class HFBackend:
         batch_window_s: how long the loop waits, when it wakes from idle, for more jobs to
             arrive before the first step (seconds).
         tokenizer: a tokenizer to use instead of loading one from ``base_model_dir``.
-        deterministic: the deterministic mode (``hf_solo.py``): each job prefilled alone and each
-            sequence decoded in its own forward, so a seeded request is bitwise the same alone or
+        deterministic: the deterministic mode (``hf_solo.py``): each job prefilled alone and its
+            sequences decoded in the job's own forward, so a seeded request is bitwise the same alone or
             among others, and each finished sequence's logprobs scored as the trainer scores the
             datum ``prompt + tokens`` (slower; ``max_batch_rows`` still caps the rows running at
             once).
@@ -175,7 +175,7 @@ class HFBackend:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openrl-hf-sampler")
         self._batch = RunningBatch()  # worker thread only
         self.deterministic = bool(deterministic)
-        self._solos: list[RunningBatch] = []  # the mode's one-row batches (worker thread only)
+        self._solos: list[RunningBatch] = []  # the mode's batches, one per job (worker thread only)
         self._pending: list[_Job] = []  # event loop only, FIFO
         self._running: set[_Job] = set()  # admitted and not finished (event loop only)
         self._active_rows = 0
@@ -579,9 +579,9 @@ class HFBackend:
         b.keep(keep, self.device)
 
     def _merge(self, new: RunningBatch) -> None:
-        """Append ``new``'s rows to the running batch (the mode: as one-row batches)."""
+        """Append ``new``'s rows to the running batch (the mode: as one batch per job)."""
         if self.deterministic:
-            self._solos.extend(hf_solo.split_rows(new))
+            self._solos.extend(hf_solo.split_jobs(new))
         elif not self._batch.rows:
             self._batch = new
         else:

@@ -1,14 +1,18 @@
-"""The transformers backend's deterministic mode (issue 33): every sequence decodes alone.
+"""The transformers backend's deterministic mode (issue 33): every job decodes alone.
 
 In the mode (:class:`functions.sampler.backends.hf.HFBackend` built with
 ``deterministic=True``) a request's tokens and logprobs do not depend on the other requests
 the backend is serving: each job's prompt is prefilled in its own forward (input ids
-``[1, P]``, no padding), each of its rows then keeps its own KV cache (a
-:class:`~functions.sampler.backends.hf_batch.RunningBatch` of one row, no padding columns)
-and decodes in its own forward (``[1, 1]``), and its token is drawn from that row's logits
-alone. A seeded row's generator is seeded from ``(seed, sample index)`` as outside the mode,
-so a seeded request gives the same tokens and logprobs alone or among any others, and across
-calls.
+``[1, P]``, no padding), the job's rows then keep their own KV cache (a
+:class:`~functions.sampler.backends.hf_batch.RunningBatch` of that job's rows only; they all
+hold ``P + t`` tokens at step t, so it has no padding columns) and decode together in the job's
+own forward (input ids ``[n, 1]``, n = the job's rows still running), and each token is drawn
+from its row's logits alone. What enters a job's forward (its prompt, adapter, the rows still
+running, which depends on its own draws only) is the job's own, so the shapes its kernels see,
+and their bits, are the same alone or among any others. A seeded row's generator is seeded from
+``(seed, sample index)`` as outside the mode, so a seeded request gives the same tokens and
+logprobs alone or among any others, and across calls (the same request: its ``num_samples``
+is part of it).
 
 The logprobs a finished sequence reports are those the trainer computes for it
 (:func:`rescore`): the trainer in the mode runs each datum alone (input ids ``[1, T]``, no
@@ -18,13 +22,16 @@ from the sample (``prompt + tokens[:-1]`` in, ``prompt[1:] + tokens`` as targets
 adapter weights (float32 in both processes) and the same process-wide switches
 (:func:`openrl.model.determinism.configure`): the same shapes through the same kernels give the
 trainer's bits, so ``kl_sample_train`` is exactly 0. The tokens themselves are drawn from the
-decode step's logits (a KV-cached ``[1, 1]`` forward); those can differ from the rescored ones in
+decode step's logits (a KV-cached ``[n, 1]`` forward); those can differ from the rescored ones in
 the last bits, which moves a draw only when the uniform lands within that difference of a CDF
 boundary. ``topk`` sample logprobs stay the decode step's.
 
-The cost: one decoder forward per running sequence per step instead of one per step, and one
-more forward of ``prompt + tokens`` per finished sequence. Touched only by the backend's
-worker thread.
+The cost: one decoder forward per running job per step instead of one per step (the
+transformers backend is launch-bound on a GPU, about 0.1 s per forward of a 36-layer model, so
+a step costs about that per job), and one more forward of ``prompt + tokens`` per finished
+sequence. Each adapter's compute-dtype cast is made once per step
+(:meth:`openrl.model.lora.MultiLoRAModel.pass_weights`; the same values as a cast per layer
+call). Touched only by the backend's worker thread.
 """
 
 from __future__ import annotations
@@ -40,22 +47,32 @@ if TYPE_CHECKING:
     from functions.sampler.backends.hf import HFBackend
 
 
-def split_rows(batch: RunningBatch) -> list[RunningBatch]:
-    """``batch``'s rows as batches of one row each, in order, each with its own cache
-    (copies of the row's keys / values, its all-padding columns dropped)."""
+def split_jobs(batch: RunningBatch) -> list[RunningBatch]:
+    """``batch``'s rows as one batch per job, jobs in first-seen order, rows in order, each
+    batch with its own cache (the job's rows of every layer's keys / values, the columns that
+    are padding for all of them dropped). A batch that already holds one job with no padding
+    column is returned as is."""
     from transformers import DynamicCache
 
-    out = []
+    jobs: dict[int, list[int]] = {}
     for r, row in enumerate(batch.rows):
-        real = batch.mask[r].nonzero()
-        c = int(real[0]) if real.numel() else 0
+        jobs.setdefault(id(row.job), []).append(r)
+    if len(jobs) == 1 and bool(batch.mask[:, 0].all()):
+        return [batch]
+    out = []
+    for idx in jobs.values():
+        sel = torch.tensor(idx, dtype=torch.long)
+        mask = batch.mask.index_select(0, sel)
+        used = mask.any(dim=0).nonzero()
+        c = int(used[0]) if used.numel() else 0
+        dev = sel.to(batch.cache.layers[0].keys.device)
         one = RunningBatch()
-        one.rows = [row]
-        one.cache = DynamicCache(ddp_cache_data=[(layer.keys[r: r + 1, :, c:], layer.values[r: r + 1, :, c:])
+        one.rows = [batch.rows[r] for r in idx]
+        one.cache = DynamicCache(ddp_cache_data=[(layer.keys.index_select(0, dev)[:, :, c:], layer.values.index_select(0, dev)[:, :, c:])
                                                  for layer in batch.cache.layers])
-        one.mask = batch.mask[r: r + 1, c:].clone()
-        one.next_tok = batch.next_tok[r: r + 1].clone()
-        one.pos = batch.pos[r: r + 1].clone()
+        one.mask = mask[:, c:].clone()
+        one.next_tok = batch.next_tok.index_select(0, sel)
+        one.pos = batch.pos.index_select(0, sel)
         out.append(one)
     return out
 
@@ -84,9 +101,10 @@ def rescore(backend: "HFBackend", row: Any) -> list[float]:
 
 
 def step(backend: "HFBackend", admit: list[Any], cancelled: set[Any]) -> tuple[list[Any], int]:
-    """The mode's iteration of ``HFBackend._step``: drop cancelled rows, prefill each admitted
+    """The mode's iteration of ``HFBackend._step``: drop cancelled jobs, prefill each admitted
     job alone (its rows join ``backend._solos`` through ``HFBackend._merge``), then decode one
-    token for every running row, one forward per row.
+    token for every running row, one forward per job (its running rows, ``[n, 1]``). Each
+    adapter's compute-dtype cast is made once for the step.
 
     Returns:
         (jobs completed in this step, rows still running).
@@ -94,23 +112,28 @@ def step(backend: "HFBackend", admit: list[Any], cancelled: set[Any]) -> tuple[l
     done: list[Any] = []
     if cancelled:
         backend._solos = [s for s in backend._solos if s.rows[0].job not in cancelled]
-    for j in admit:
-        backend._prefill([j], done)
-    running = []
-    for b in backend._solos:
-        mask = torch.cat([b.mask, torch.ones((1, 1), dtype=b.mask.dtype)], dim=1)
-        with backend.model.use_adapters([b.rows[0].job.job.model_path]):
-            hidden, b.cache = backend._forward(b.next_tok[:, None], mask, b.pos[:, None], b.cache)
-            backend.steps += 1
-            logits = backend._logits(hidden[:, -1])  # [1, V]
-        b.mask = mask
-        b.pos = b.pos + 1
-        toks, finished = backend._process(b.rows, logits, done)
-        b.next_tok = toks
-        if not finished[0]:
-            running.append(b)
+    with backend.model.pass_weights():
+        for j in admit:
+            backend._prefill([j], done)
+        running = []
+        for b in backend._solos:
+            n = len(b.rows)
+            mask = torch.cat([b.mask, torch.ones((n, 1), dtype=b.mask.dtype)], dim=1)
+            with backend.model.use_adapters([b.rows[0].job.job.model_path] * n):
+                hidden, b.cache = backend._forward(b.next_tok[:, None], mask, b.pos[:, None], b.cache)
+                backend.steps += 1
+                logits = backend._logits(hidden[:, -1])  # [n, V]
+            b.mask = mask
+            b.pos = b.pos + 1
+            toks, finished = backend._process(b.rows, logits, done)
+            b.next_tok = toks
+            keep = [i for i, f in enumerate(finished) if not f]
+            if keep:
+                if len(keep) < n:  # the job's finished rows leave its batch (its own draws decided it)
+                    b.keep(keep, backend.device)
+                running.append(b)
     backend._solos = running
-    return done, len(running)
+    return done, sum(len(b.rows) for b in running)
 
 
-__all__ = ["rescore", "split_rows", "step"]
+__all__ = ["rescore", "split_jobs", "step"]
