@@ -38,6 +38,7 @@ from openrl.model.registry import ModelRegistry
 from openrl.storage import CheckpointExists, TinkerPath, build_manifest, open_storage
 
 from functions.trainer.durable import RunDurability
+from functions.trainer.pass_window import PassWindow
 from functions.trainer.runs import RunTable
 from functions.trainer.scheduler import PackPolicy, Pending, Scheduler, Work, run_works
 from functions.trainer.snapshots import SnapshotWriter
@@ -63,6 +64,7 @@ class TrainerFunction:
         self._ready = False
         self._stopping = False
         self._lock = asyncio.Lock()  # one engine computation at a time (one device)
+        self.window = PassWindow(self._lock)  # start() sets it from the settings
         self.durable: RunDurability | None = None
         self.stability = None  # StabilityStore of stable_reinforce (openrl/transport/stability.py)
         self.nats_url: str | None = None
@@ -106,7 +108,8 @@ class TrainerFunction:
         # a co-located sampler (the embedded stack) reads gs:// snapshots from the shared cache
         self.storage = open_storage(cfg.storage_url, cache_dir=cfg.cache_dir, write_through=cfg.colocated_sampler)
         handoff = SnapshotHandoff.from_settings(cfg)  # unnamed sampler snapshots through memory (one machine)
-        self.snapshots = SnapshotWriter(handoff, self.storage, self._lock,
+        self.window = PassWindow(self._lock, enabled=cfg.pack_beside_pass)  # snapshot packs beside a pass
+        self.snapshots = SnapshotWriter(handoff, self.storage, self.window,
                                         staged=cfg.handoff_staged, writers=cfg.handoff_writers,
                                         spares=cfg.handoff_spares) if handoff is not None else None
         self.registry = registry or ModelRegistry.load(cfg.registry_path, models_dir=cfg.models_path)
@@ -119,6 +122,7 @@ class TrainerFunction:
         self.scheduler = Scheduler(
             self.runs, gap_timeout_s=cfg.seq_gap_timeout_s, max_ahead=cfg.max_seq_ahead,
             policy=PackPolicy(max_delay_s=cfg.pack_max_delay_s),
+            snapshots_beside=cfg.pack_beside_pass and handoff is not None and cfg.handoff_staged,
             pass_token_budget=cfg.pass_token_budget,  # fair share per API key
         )
         self.durable = RunDurability(self.storage, self.runs, self.scheduler.cursor, engines=self.engines,
@@ -416,12 +420,14 @@ class TrainerFunction:
           ``trainer pass`` span;
         - "optims": one fused optimizer update of several runs (:meth:`_run_optims`);
         - "singles": the heads of different runs, concurrently (their engine work is
-          serialised by the engine lock, their I/O overlaps), each accounted on its own.
+          serialised by the engine lock, their I/O overlaps), each accounted on its own;
+        - "snapshots": sampler saves, as "singles"; :func:`run_works` runs them beside the works
+          after them (their packs ride a pass's :class:`PassWindow`).
         """
         from openrl.observe import metrics, tracing
 
         busy = metrics.busy_clock("trainer")
-        if work.kind == "singles":
+        if work.kind in ("singles", "snapshots"):
             async def one(p: Pending):
                 t0 = time.perf_counter()
                 try:
@@ -488,7 +494,8 @@ class TrainerFunction:
                 loss_fn=fb.loss_fn, loss_fn_config=dict(fb.loss_fn_config), forward_only=(p.op == "forward"),
             ))
         async with self._lock:
-            results = await asyncio.to_thread(engine.forward_backward, work)
+            async with self.window.open(engine):  # unnamed snapshots of other runs pack meanwhile
+                results = await asyncio.to_thread(engine.forward_backward, work)
             if testhooks.enabled():  # tests only: hold with the pass applied, cursor not moved
                 await asyncio.to_thread(testhooks.hold, "computed:forward_backward")
         out = []

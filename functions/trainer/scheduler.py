@@ -247,6 +247,9 @@ class Scheduler:
         policy: the batching policy (default: :class:`PackPolicy` with its defaults).
         pass_token_budget: most tokens per packed pass, filled round-robin over owners
             (:meth:`fill`); 0 = no budget (every ready request goes in).
+        snapshots_beside: the ready ``save_weights_for_sampler`` heads go out as their own
+            "snapshots" work, which :func:`run_works` runs beside the works after it
+            (``Settings.pack_beside_pass``); False: they are singles.
 
     Attributes:
         passes: packed passes handed out. deferred: ready requests left for a later pass by the
@@ -257,8 +260,9 @@ class Scheduler:
 
     def __init__(self, directory: RunDirectory, *, cursor: RunCursor | None = None, gap_timeout_s: float = 300.0,
                  window_s: float = 0.002, max_ahead: int = 10_000, fused_optims: bool = True,
-                 policy: PackPolicy | None = None, pass_token_budget: int = 0):
+                 policy: PackPolicy | None = None, pass_token_budget: int = 0, snapshots_beside: bool = False):
         self.directory = directory
+        self.snapshots_beside = bool(snapshots_beside)
         self.cursor = cursor if cursor is not None else RunCursor()
         self.pass_token_budget = int(pass_token_budget)
         self.deferred = 0
@@ -466,6 +470,10 @@ class Scheduler:
                     optims.setdefault(self.directory.group_of(p.model_id), []).append(p)
                 else:
                     others.append(p)
+            snaps = [p for p in others if p.op == "save_weights_for_sampler"] if self.snapshots_beside else []
+            if snaps:  # sampler saves: run beside what follows (run_works)
+                others = [p for p in others if p.op != "save_weights_for_sampler"]
+                yield self._dispatch("snapshots", snaps)
             if others:  # one request per run at most (each run's head)
                 yield self._dispatch("singles", others)
             for gkey, group in optims.items():
@@ -491,11 +499,27 @@ async def run_works(scheduler: Scheduler, execute: Callable[[Work], Awaitable[li
     """The trainer's loop: forever take :meth:`Scheduler.next_work`, run it with ``execute``
     (results aligned with ``work.items``, an exception per failed request), and resolve it
     with :meth:`Scheduler.finish`; an exception out of ``execute`` fails every request of
-    that work. Cancel the task running it to stop."""
-    while True:
-        work = await scheduler.next_work()
+    that work. A "snapshots" work runs in a task of its own while the loop takes the next works
+    (each run's later requests still wait for its save: they are not ready until it finishes).
+    Cancel the task running it to stop (the snapshot tasks under way are cancelled with it)."""
+
+    async def run(work: Work) -> None:
         try:
             results = await execute(work)
         except Exception as exc:  # noqa: BLE001 - the failure belongs to this work's requests
             results = exc
         scheduler.finish(work, results)
+
+    beside: set[asyncio.Task] = set()
+    try:
+        while True:
+            work = await scheduler.next_work()
+            if work.kind == "snapshots":
+                task = asyncio.get_running_loop().create_task(run(work))
+                beside.add(task)
+                task.add_done_callback(beside.discard)
+                continue
+            await run(work)
+    finally:
+        for task in list(beside):
+            task.cancel()

@@ -35,6 +35,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from functions.trainer.pass_window import PassWindow
 from openrl.model.lora import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 from openrl.observe import metrics
 from openrl.storage import CheckpointExists, Storage, TinkerPath, build_manifest
@@ -52,18 +53,21 @@ class SnapshotWriter:
     Args:
         handoff: the shared-memory directory. storage: the durable store.
         engine_lock: the lock that serialises engine computations (held while the adapter is
-            packed; with ``staged=False`` for the whole write).
+            packed; with ``staged=False`` for the whole write), or the trainer's
+            :class:`~functions.trainer.pass_window.PassWindow` over it: a staged pack then runs
+            beside a pass that holds the lock.
         staged: ``Settings.handoff_staged``. writers: ``Settings.handoff_writers`` (most
             snapshots written at once). spares: ``Settings.handoff_spares`` (pre-allocated
             files kept per adapter size; a staged save writes over one: :meth:`SnapshotHandoff.
             take_spare`, refilled in the background after each save).
     """
 
-    def __init__(self, handoff: SnapshotHandoff, storage: Storage, engine_lock: asyncio.Lock, *,
+    def __init__(self, handoff: SnapshotHandoff, storage: Storage, engine_lock: asyncio.Lock | PassWindow, *,
                  staged: bool = True, writers: int = 2, spares: int = 0):
         self.handoff = handoff
         self.storage = storage
-        self._lock = engine_lock
+        self._window = engine_lock if isinstance(engine_lock, PassWindow) else PassWindow(engine_lock, enabled=False)
+        self._lock = self._window.lock
         self.staged = staged
         self.writers = max(1, int(writers))
         self.spares = max(0, int(spares)) if staged else 0
@@ -100,9 +104,13 @@ class SnapshotWriter:
                 "ttl_seconds": ttl_seconds, "extra": extra}
         nbytes = engine.adapter_nbytes(model_id)
         async with self._writers:  # bounds the packed buffers alive at once
-            async with self._lock:  # the packing sees no optimizer step half done
-                packed = await asyncio.to_thread(engine.pack_sampler_snapshot, model_id)
-                if not self.staged:
+            if self.staged:  # the packing sees no optimizer step half done: the lock, or a pass's window
+                async with self._window.pack(engine) as beside:
+                    packed = await asyncio.to_thread(engine.pack_sampler_snapshot, model_id)
+                metrics.SNAPSHOT_PACKS.labels("beside_pass" if beside else "locked").inc()
+            else:
+                async with self._lock:
+                    packed = await asyncio.to_thread(engine.pack_sampler_snapshot, model_id)
                     entry = await self._put(engine, path, nbytes, packed, meta)
             if self.staged:
                 entry = await self._put(engine, path, nbytes, packed, meta)

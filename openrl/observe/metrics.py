@@ -116,6 +116,9 @@ SAMPLE_TRAIN_TOKENS = Counter("openrl_trainer_sample_train_tokens",
                               "Sampled tokens whose sampler-trainer logprob mismatch was measured", ["base_model"])
 SNAPSHOT_SAVES = Counter("openrl_trainer_snapshot_saves", "Unnamed sampler snapshots saved, by the way they reach "
                          "the sampler (memory: the shared-memory handoff; storage: no room there)", ["path"])
+SNAPSHOT_PACKS = Counter("openrl_trainer_snapshot_packs", "Unnamed sampler snapshots packed on the device, by "
+                         "when (beside_pass: while another runs' pass held the engine lock; locked: holding it)",
+                         ["when"])
 SNAPSHOT_PERSIST_FAILURES = Counter("openrl_trainer_snapshot_persist_failures",
                                     "Handed-off sampler snapshots whose background write to storage failed "
                                     "(every retry); they stay in the handoff until a trainer writes them")

@@ -241,3 +241,36 @@ def test_policy_delay_adapts_to_measured_lag():
     pol.arrived("a", "g", 2.05, overlap=True)  # a's next request: c is still missed, nothing waits
     pol.arrived("c", "g", 2.14, overlap=True)
     assert pol.delay("g") == pytest.approx(1.5 * 0.14)
+
+
+async def test_sampler_saves_run_beside_the_next_pass_and_keep_their_runs_order():
+    """``snapshots_beside``: run a's save_weights_for_sampler goes out as a "snapshots" work that
+    runs while run b's pass does (each waits for the other to start: one after the other would
+    never finish), and run a's next forward_backward still waits for its save."""
+    pass_started, save_started = asyncio.Event(), asyncio.Event()
+    done: list[str] = []
+
+    async def execute(work: Work) -> list:
+        if work.kind == "snapshots":
+            save_started.set()
+            await asyncio.wait_for(pass_started.wait(), 30)
+            done.append("save a")
+            return [f"saved {p.model_id}" for p in work.items]
+        assert work.kind == "pass"
+        ids = [(p.model_id, p.seq_id) for p in work.items]
+        if ("b", 1) in ids:
+            pass_started.set()
+            await asyncio.wait_for(save_started.wait(), 30)
+        done.append(f"pass {ids}")
+        return [f"fb{m}:{q}" for m, q in ids]
+
+    s = Running(Scheduler(OneBase(), window_s=0.001, policy=PackPolicy(max_delay_s=0.0), snapshots_beside=True),
+                execute)
+    try:
+        save = asyncio.create_task(s.submit("a", 1, "save_weights_for_sampler", None))
+        after = asyncio.create_task(s.submit("a", 2, "forward_backward", None))
+        fb = asyncio.create_task(s.submit("b", 1, "forward_backward", None))
+        assert await asyncio.wait_for(asyncio.gather(save, fb, after), 60) == ["saved a", "fbb:1", "fba:2"]
+    finally:
+        await s.stop()
+    assert done.index("save a") < done.index("pass [('a', 2)]")
