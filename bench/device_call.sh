@@ -30,6 +30,7 @@ STEP_TABLE=(  # not STEPS: stack-sweep passes STEPS (RL steps per experiment) th
   "conform-C|.whl/k3|bench/conform_call.sh C|conformance 3/4: completes vLLM, restarts openrl serve on a new state dir (vLLM sampler, the keyed tests' environment), the parity test and the core files of tests/stack; out: C/, logsC.tgz"
   "conform-D|-|bench/conform_call.sh D|conformance 4/4: the rest of tests/stack (the service's edges, the mix on vLLM) against the same stack, then stops it; MIX_D; out: D/, logsD.tgz"
   "stack-after-conform|-||after conform-C (vLLM complete, the stack's wheels and the model in place): stops conform-C's serve, then stack_h200.py with vLLM sharing conform-C's vLLM compile cache; ARGS (default --sections rl,sample --rl-runs 1,8 --shapes fixed,varied --warmup 1 --breakdown --no-direct); AB_ENV="VAR=value ...": the RL rows with the defaults, then with AB_ENV set, same job (HANDOFF_AB=1: AB_ENV=OPENRL_HANDOFF_DIR=off); out: stack.jsonl, stack.md [default/, ab/], logsS.tgz"
+  "stack-fresh|.gpu||fresh machine, no vLLM (one call, when the conformance chain does not fit the device time left): the stack's wheels, the model, then stack_h200.py ARGS (default --sections rl --rl-runs 1,8 --shapes fixed --warmup 1 --rl-steps 3) with the transformers sampler; AB_ENV as stack-after-conform; out: stack.jsonl, stack.md [default/, ab/], logsF.tgz"
   "stack-lora-probe|-||after conform-C (vLLM complete, the model in place; after stack-after-conform, whose stack is then stopped): bench/vllm_lora_load.py, where vLLM's adapter load goes (fp32 vs bf16 file, split into read, cast + pin, merge, activate) and the trainer-side export costs; PROBE_ARGS; out: lora_load.jsonl, logsP.tgz"
   "stack-export-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, the model, bench/vllm_lora_load.py --no-vllm: the trainer's export of an unnamed snapshot split (torch.cat, device-to-host pageable / pinned, tmpfs page faults, MAP_POPULATE, cudaHostRegister); out: lora_load.jsonl"
   "engine-rl-probe|.gpu||fresh machine, no vLLM (one short call): the stack's wheels, then bench/cobatch_h200.py --sections rl: the trainer's share of one RL step (1 and 8 runs x 16 datums x 191 tokens: forward_backward, optim_step_many, snapshot packing, per-row cost, micro-batch caps, torch.profiler splits by the engine's ranges; with OPENRL_TRAINER_GPU_MEMORY set: capped at the stack trainer's share, the memory budget vs the old halving instead of the caps); RL_ARGS; out: cobatch.jsonl, profile_rl_*.txt, logsE.tgz; AB_ENV=\"VAR=value ...\": the probe again with it set, same job (out: ab/)"
@@ -295,6 +296,31 @@ step_stack_after_conform() {
   "$PY" bench/serve_bg.py stop --state-dir "$WORK/conf-vllm" --grace-s 20 2>&1 | tail -2
   [ -d "$WORK/conf-vllm/cache/vllm" ] && export VLLM_CACHE_ROOT=$WORK/conf-vllm/cache/vllm
   nvidia-smi --query-gpu=name,memory.used --format=csv 2>/dev/null
+  stack_rows "--sections rl,sample --rl-runs 1,8 --shapes fixed,varied --warmup 1 --breakdown --no-direct"
+  pack_logs logsS "$L"; el "done"
+}
+
+# stack-fresh: one call on a fresh machine, no vLLM (when the conformance chain will not fit the session's device
+# time): the stack's wheels and the model as conform-A makes them, then stack_h200.py ARGS with the transformers
+# sampler (the default where vLLM is not installed); AB_ENV as in stack-after-conform.
+# Results: stack.jsonl, stack.md [default/, ab/], logsF.tgz.
+step_stack_fresh() {
+  L=$WORK/logsF; rm -rf "$L"; mkdir -p "$L"
+  el start; gpu_info
+  if [ "$DRY" != 1 ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$STK" .gpu/wheels/*.whl > "$L/pip.log" 2>&1
+    el "stack wheels rc=$?"
+    [ -f "$MODEL/config.json" ] || { timeout 150 "$PY" bench/stack_h200.py --make-model "$MODEL" --tokenizer-from .gpu/tok \
+      > "$L/make_model.log" 2>&1; el "make_model rc=$?"; tail -1 "$L/make_model.log"; }
+  fi
+  stack_path
+  stack_rows "--sections rl --rl-runs 1,8 --shapes fixed --warmup 1 --rl-steps 3"
+  pack_logs logsF "$L"; el "done"
+}
+
+# the rows of stack-after-conform / stack-fresh: stack_h200.py ARGS (default $1), or with AB_ENV (HANDOFF_AB=1:
+# AB_ENV=OPENRL_HANDOFF_DIR=off) the RL rows with the defaults ("default/"), then with AB_ENV set ("ab/"), same job
+stack_rows() {  # default ARGS
   local ab=${AB_ENV:-}; [ "${HANDOFF_AB:-0}" = 1 ] && ab=${ab:-OPENRL_HANDOFF_DIR=off}
   if [ -n "$ab" ]; then  # the same rows with the defaults ("default"), then with AB_ENV's VAR=value ("ab"), same job
     local o0=$O half=$(( ($(left) - 20) / 2 ))
@@ -304,17 +330,15 @@ step_stack_after_conform() {
       # shellcheck disable=SC2086
       ( [ $mode = ab ] && export $ab; stack_bench $half \
         ${ARGS:---sections rl --rl-runs 1,8 --shapes fixed --warmup 1 --rl-steps 5} ) > "$L/stack-$mode.log" 2>&1
-      el "stack bench $mode rc=$?"; grep '^{' "$L/stack-$mode.log" | grep -E '"what": "(rl|cold)"' | cut -c1-700
+      el "stack bench $mode rc=$?"; grep '^{' "$L/stack-$mode.log" | grep -E '"what": "(rl|cold|sample)"' | cut -c1-700
     done
     O=$o0
   else
     # shellcheck disable=SC2086
-    stack_bench $(( $(left) - 10 )) ${ARGS:---sections rl,sample --rl-runs 1,8 --shapes fixed,varied --warmup 1 --breakdown --no-direct} \
-      > "$L/stack.log" 2>&1; el "stack bench rc=$?"
+    stack_bench $(( $(left) - 10 )) ${ARGS:-$1} > "$L/stack.log" 2>&1; el "stack bench rc=$?"
     grep '^{' "$L/stack.log" | grep -v '"what": "env"' | cut -c1-700
   fi
   grep -h -v -E "^\s+(File|\^)" "$L"/stack*.log | grep -i -E -B2 -A8 "Traceback|Error" | head -30
-  pack_logs logsS "$L"; el "done"
 }
 
 # stack-lora-probe: after conform-C (or stack-after-conform) on the same machine: bench/vllm_lora_load.py with

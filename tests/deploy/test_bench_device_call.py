@@ -27,6 +27,7 @@ STEPS = {
     "conform-D": [],
     "conform-R": [".gpu"],
     "stack-after-conform": [],
+    "stack-fresh": [".gpu"],
     "stack-lora-probe": [],
     "stack-export-probe": [".gpu"],
     "engine-rl-probe": [".gpu"],
