@@ -300,8 +300,8 @@ step_stack_after_conform() {
   pack_logs logsS "$L"; el "done"
 }
 
-# stack-fresh: one call on a fresh machine, no vLLM (when the conformance chain will not fit the session's device
-# time): the stack's wheels and the model as conform-A makes them, then stack_h200.py ARGS with the transformers
+# stack-fresh: one call on a fresh machine (or after conform-A, whose serve it stops), no vLLM (when the conformance
+# chain will not fit the session's device time): the stack's wheels and the model as conform-A makes them, then stack_h200.py ARGS with the transformers
 # sampler (the default where vLLM is not installed); AB_ENV as in stack-after-conform.
 # Results: stack.jsonl, stack.md [default/, ab/], logsF.tgz.
 step_stack_fresh() {
@@ -314,6 +314,7 @@ step_stack_fresh() {
       > "$L/make_model.log" 2>&1; el "make_model rc=$?"; tail -1 "$L/make_model.log"; }
   fi
   stack_path
+  [ -f "$WORK/conf-hf/serve.pid" ] && "$PY" bench/serve_bg.py stop --state-dir "$WORK/conf-hf" --grace-s 20 | tail -1  # after conform-A
   stack_rows "--sections rl --rl-runs 1,8 --shapes fixed --warmup 1 --rl-steps 3"
   pack_logs logsF "$L"; el "done"
 }
