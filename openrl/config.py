@@ -165,11 +165,12 @@ class Settings(BaseSettings):
     handoff_writers: int = Field(2, ge=1, le=16, description="with handoff_staged: most unnamed snapshots written at "
                                  "once; each holds a packed copy of its adapter on the GPU and a pinned host buffer "
                                  "of its size (a rank-32 Qwen3-4B adapter: 284 MB of each)")
-    pack_beside_pass: bool = Field(True, description="with handoff_staged: an unnamed snapshot is packed while a "
-                                   "forward(_backward) pass of other runs holds the engine lock (the pass reads the "
-                                   "weights, writes only gradients), instead of waiting for the pass and for the "
-                                   "trainer's loop; one-device engines only (functions/trainer/pass_window.py); "
-                                   "false = after the pass, as before")
+    pack_beside_pass: bool = Field(False, description="with handoff_staged: sampler saves run beside the trainer's "
+                                   "next works and an unnamed snapshot is packed while a forward(_backward) pass of "
+                                   "other runs holds the engine lock (the pass reads the weights, writes only "
+                                   "gradients), instead of waiting for the pass; one-device engines only "
+                                   "(functions/trainer/pass_window.py). Off by default until measured on a GPU "
+                                   "(docs/benchmarks.md, eighteenth session)")
     handoff_max_bytes: int = Field(0, ge=0, description="most bytes of snapshots the handoff holds; 0 = a quarter "
                                    "of its file system, at most 16 GiB")
     idle_timeout: float = Field(1800.0, ge=0, description="embedded stack (openrl serve / run): seconds a worker's "

@@ -64,7 +64,7 @@ class TrainerFunction:
         self._ready = False
         self._stopping = False
         self._lock = asyncio.Lock()  # one engine computation at a time (one device)
-        self.window = PassWindow(self._lock)  # start() sets it from the settings
+        self.window = PassWindow(self._lock, enabled=False)  # start() sets it from the settings
         self.durable: RunDurability | None = None
         self.stability = None  # StabilityStore of stable_reinforce (openrl/transport/stability.py)
         self.nats_url: str | None = None
