@@ -141,6 +141,9 @@ class Settings(BaseSettings):
                                "decodes, only registers it (functions/sampler/backends/vllm_preload.py; measured "
                                "through the stack on an H100: the loop's part of a load 0.66 s -> 0.02 s with one "
                                "RL run; 0 = vLLM's own add_lora does it all on the loop)")
+    vllm_preload_threads: int = Field(2, ge=1, le=16, description="with vllm_preload: adapters built at once in "
+                                      "vLLM's worker (each holds the GIL only between torch calls; an 8-run RL round "
+                                      "asks for 8 at once: docs/benchmarks.md, seventeenth session)")
     vllm_unembed_lora: str | None = Field(None, description="keep (vLLM applies the lm_head LoRA, checked on first use) or fallback (such adapters are sampled with transformers); functions/sampler/backends/vllm.py")
 
     # ----- transport --------------------------------------------------------------------

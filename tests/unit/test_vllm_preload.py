@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+import time
 import types
 from types import SimpleNamespace
 
@@ -114,6 +115,36 @@ def test_adapter_without_preload_loads_as_vllm_does(fake_vllm):
     m.add_adapter(fake_vllm.LoRARequest(lora_name="k1", lora_int_id=1, lora_path="/elsewhere"))
     assert m._adapter_manager.registered[1].path == "/elsewhere"
     assert w.openrl_preload_drop(1) is True and w.openrl_preload_state(1) == "none"
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_builds_at_once_follow_the_setting(fake_vllm, monkeypatch, threads):
+    """``OPENRL_VLLM_PRELOAD_THREADS``: that many builds are under way at once (they meet at a
+    barrier of that size; one more build waits for a thread)."""
+    monkeypatch.setenv("OPENRL_VLLM_PRELOAD_THREADS", str(threads))
+    meet, release = threading.Barrier(threads), threading.Event()
+    inside: list[int] = []
+
+    class Meeting(Manager):
+        def _load_adapter(self, req):
+            inside.append(req.lora_int_id)
+            if req.lora_int_id < threads:  # the first `threads` builds meet: a BrokenBarrierError
+                meet.wait(10)                # (a failed build) if fewer run at once
+            assert release.wait(10)
+            return super()._load_adapter(req)
+
+    w = worker_with(Meeting())
+    for i in range(threads + 1):
+        w.openrl_preload_lora(f"k{i}", i, f"/a/{i}")
+    t0 = time.monotonic()
+    while len(inside) < threads:
+        assert time.monotonic() - t0 < 10, inside
+        time.sleep(0.005)
+    time.sleep(0.05)  # (the last build would have started by now if a thread were free)
+    assert sorted(inside) == list(range(threads))  # the last one waits for a thread
+    release.set()
+    for i in range(threads + 1):
+        wait_state(w, i, "ready")
 
 
 def test_failed_background_build_is_raised_by_add_adapter(fake_vllm):

@@ -23,7 +23,8 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-#: Adapters built at once in the background (each holds the GIL only between torch calls).
+#: Adapters built at once in the background by default (each holds the GIL only between torch
+#: calls); ``Settings.vllm_preload_threads`` / ``$OPENRL_VLLM_PRELOAD_THREADS`` sets it.
 PRELOAD_THREADS = 2
 #: ``vllm.config.ParallelConfig.worker_extension_cls`` value that installs the extension.
 EXTENSION_QUALNAME = "functions.sampler.backends.vllm_preload.LoRAPreloadExtension"
@@ -109,7 +110,8 @@ _PRELOADERS_LOCK = threading.Lock()
 
 def preloader_of(worker) -> Preloader:
     """The :class:`Preloader` of ``worker``'s LoRA manager (``worker.model_runner.lora_manager``),
-    made on first use.
+    made on first use with ``Settings().vllm_preload_threads`` threads (the worker inherits the
+    sampler's environment).
 
     Raises:
         RuntimeError: the worker's model runner has no LoRA manager (LoRA not enabled).
@@ -120,7 +122,9 @@ def preloader_of(worker) -> Preloader:
     with _PRELOADERS_LOCK:
         p = _PRELOADERS.get(id(manager))
         if p is None or p.manager is not manager:
-            p = _PRELOADERS[id(manager)] = Preloader(manager)
+            from openrl.config import Settings
+
+            p = _PRELOADERS[id(manager)] = Preloader(manager, threads=Settings().vllm_preload_threads)
         return p
 
 
