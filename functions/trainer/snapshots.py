@@ -108,12 +108,11 @@ class SnapshotWriter:
                 async with self._window.pack(engine) as beside:
                     packed = await asyncio.to_thread(engine.pack_sampler_snapshot, model_id)
                 metrics.SNAPSHOT_PACKS.labels("beside_pass" if beside else "locked").inc()
+                entry = await self._put(engine, path, nbytes, packed, meta)
             else:
                 async with self._lock:
                     packed = await asyncio.to_thread(engine.pack_sampler_snapshot, model_id)
                     entry = await self._put(engine, path, nbytes, packed, meta)
-            if self.staged:
-                entry = await self._put(engine, path, nbytes, packed, meta)
             del packed
         metrics.SNAPSHOT_SAVES.labels("memory" if entry is not None else "storage").inc()
         if entry is None:

@@ -580,8 +580,8 @@ class HFBackend:
 
     def _merge(self, new: RunningBatch) -> None:
         """Append ``new``'s rows to the running batch (the mode: as one batch per job)."""
-        if self.deterministic:
-            self._solos.extend(hf_solo.split_jobs(new))
+        if self.deterministic:  # the mode prefills one job at a time: ``new`` is that job's batch
+            self._solos.append(new)
         elif not self._batch.rows:
             self._batch = new
         else:

@@ -40,41 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from functions.sampler.backends.hf_batch import RunningBatch
 from openrl.model.logprobs import target_logprobs
 
 if TYPE_CHECKING:
     from functions.sampler.backends.hf import HFBackend
-
-
-def split_jobs(batch: RunningBatch) -> list[RunningBatch]:
-    """``batch``'s rows as one batch per job, jobs in first-seen order, rows in order, each
-    batch with its own cache (the job's rows of every layer's keys / values, the columns that
-    are padding for all of them dropped). A batch that already holds one job with no padding
-    column is returned as is."""
-    from transformers import DynamicCache
-
-    jobs: dict[int, list[int]] = {}
-    for r, row in enumerate(batch.rows):
-        jobs.setdefault(id(row.job), []).append(r)
-    if len(jobs) == 1 and bool(batch.mask[:, 0].all()):
-        return [batch]
-    out = []
-    for idx in jobs.values():
-        sel = torch.tensor(idx, dtype=torch.long)
-        mask = batch.mask.index_select(0, sel)
-        used = mask.any(dim=0).nonzero()
-        c = int(used[0]) if used.numel() else 0
-        dev = sel.to(batch.cache.layers[0].keys.device)
-        one = RunningBatch()
-        one.rows = [batch.rows[r] for r in idx]
-        one.cache = DynamicCache(ddp_cache_data=[(layer.keys.index_select(0, dev)[:, :, c:], layer.values.index_select(0, dev)[:, :, c:])
-                                                 for layer in batch.cache.layers])
-        one.mask = mask[:, c:].clone()
-        one.next_tok = batch.next_tok.index_select(0, sel)
-        one.pos = batch.pos.index_select(0, sel)
-        out.append(one)
-    return out
 
 
 def rescore(backend: "HFBackend", row: Any) -> list[float]:
@@ -102,7 +71,8 @@ def rescore(backend: "HFBackend", row: Any) -> list[float]:
 
 def step(backend: "HFBackend", admit: list[Any], cancelled: set[Any]) -> tuple[list[Any], int]:
     """The mode's iteration of ``HFBackend._step``: drop cancelled jobs, prefill each admitted
-    job alone (its rows join ``backend._solos`` through ``HFBackend._merge``), then decode one
+    job alone (its rows, one batch with no padding, join ``backend._solos`` through
+    ``HFBackend._merge``), then decode one
     token for every running row, one forward per job (its running rows, ``[n, 1]``). Each
     adapter's compute-dtype cast is made once for the step.
 
@@ -136,4 +106,4 @@ def step(backend: "HFBackend", admit: list[Any], cancelled: set[Any]) -> tuple[l
     return done, sum(len(b.rows) for b in running)
 
 
-__all__ = ["rescore", "split_jobs", "step"]
+__all__ = ["rescore", "step"]
